@@ -41,3 +41,25 @@ def tracking_uri() -> str:
 def artifact_root() -> str:
     """Artifact location for experiments created by llamaflow on the embedded store."""
     return (mlruns_dir() / "artifacts").as_uri()
+
+
+def apply_environment_defaults() -> None:
+    """Quiet, robust defaults for the embedded servers; a value the user exported always wins.
+
+    Runs on import of `tasks`, before Prefect reads its settings.
+    """
+    defaults = {
+        # The ephemeral server's telemetry fails offline and logs a `database is locked` traceback
+        # on a new database; analytics off is Prefect's own switch for it.
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # A new ephemeral database took 13-15 s to start here and once passed Prefect's 20 s limit.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TORCHINDUCTOR_CACHE_DIR": str(home() / "inductor-cache"),
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    import warnings
+
+    # SQLAlchemy 2.1 deprecates a loader strategy MLflow still uses; nothing for a user to act on.
+    warnings.filterwarnings("ignore", message="The noload loader strategy is deprecated")

@@ -1,0 +1,34 @@
+# The two commands of the README. Each sets up its own virtual environment first.
+#   make train   the main job: the demo preset on the embedded defaults (stdlib corpus, SQLite MLflow, ephemeral Prefect)
+#   make test    ruff + the whole test suite (end-to-end tests included)
+PYTHON ?= python3.11
+VENV ?= .venv
+# CPU machines take PyTorch's CPU wheel; a CUDA machine (nvidia-smi present) takes the CUDA build.
+# Override with `make ... TORCH_CONSTRAINT=` (CUDA) or `TORCH_CONSTRAINT="-c constraints-cpu.txt"` (CPU).
+TORCH_CONSTRAINT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: install train tiny test lint bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/python -m flows.pretrain --preset demo $(ARGS)
+
+tiny: $(STAMP)
+	$(VENV)/bin/python -m flows.pretrain --preset tiny $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
+
+clean:
+	rm -rf .llamaflow .pytest_cache
