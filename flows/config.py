@@ -1,0 +1,170 @@
+"""PretrainConfig: the one validated parameter of the `pretrain` flow.
+
+A named preset fills in defaults; every field given explicitly overrides it. Validation happens here,
+before any task runs, so bad input costs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests and smoke runs: about a minute on 2 CPU cores, cold compile included.
+    "tiny": {
+        "model": "tiny",
+        "vocab_size": 2048,
+        "seq_len": 128,
+        "micro_batch_size": 8,
+        "accumulate_steps": 2,
+        "max_steps": 30,
+        "lr": 3e-3,
+        "warmup_steps": 5,
+        "checkpoint_every": 10,
+        "eval_max_blocks": 64,
+        "sample_max_new_tokens": 24,
+        "experiment": "llamaflow-tiny",
+        "model_name": "llamaflow-tiny",
+    },
+    # The README's main job: a ~6.5M-parameter Llama on the stdlib corpus, under 10 minutes on 2 CPU cores.
+    "demo": {
+        "model": "demo",
+        "vocab_size": 8192,
+        "seq_len": 256,
+        "micro_batch_size": 8,
+        "accumulate_steps": 4,
+        "max_steps": 300,
+        "lr": 2e-3,
+        "warmup_steps": 30,
+        "checkpoint_every": 100,
+        "eval_max_blocks": 256,
+        "sample_max_new_tokens": 48,
+        "experiment": "llamaflow-demo",
+        "model_name": "llamaflow-demo",
+    },
+    # One GPU: GPT-2-small scale. Not runnable in useful time on a CPU.
+    "125m": {
+        "model": "125m",
+        "vocab_size": 32000,
+        "seq_len": 1024,
+        "micro_batch_size": 16,
+        "accumulate_steps": 8,
+        "max_steps": 5000,
+        "lr": 6e-4,
+        "warmup_steps": 200,
+        "checkpoint_every": 500,
+        "eval_max_blocks": 512,
+        "experiment": "llamaflow-125m",
+        "model_name": "llamaflow-125m",
+    },
+}
+
+
+class PretrainConfig(BaseModel):
+    """Everything a pretraining run needs. `preset` fills defaults; explicit values win."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    preset: Literal["tiny", "demo", "125m"] = Field("demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)")
+    # data
+    data: str | None = Field(
+        None,
+        description="Corpus: None/'stdlib' = this interpreter's standard library sources; a file, directory or glob; 'hf:NAME[:CONFIG]'",
+    )
+    val_data: str | None = Field(None, description="Separate validation corpus (default: a split of `data` by file)")
+    val_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation")
+    text_field: str = Field("text", description="Text field of JSON/JSONL/Parquet/HF records")
+    tokenizer: str | None = Field(None, description="Existing tokenizer.json to use instead of training one")
+    vocab_size: int = Field(8192, ge=260, le=1 << 20, description="BPE vocabulary size (also the model's)")
+    seq_len: int = Field(256, ge=2, description="Tokens per training sequence")
+    # model
+    model: str = Field("demo", description="Model preset: tiny, demo, small, 125m, 350m, 1b")
+    model_overrides: dict[str, Any] = Field(default_factory=dict, description="LlamaConfig fields to override")
+    init_checkpoint: str | None = Field(None, description="Checkpoint directory or model.safetensors to start from")
+    # optimisation
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass")
+    accumulate_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps (default: from epochs)")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training blocks when max_steps is not set")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps")
+    schedule: Literal["cosine", "wsd"] = Field("cosine", description="cosine, or warmup-stable-decay")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = Field(1337, description="Seeds data order, initialisation and sampling")
+    compile: bool = Field(True, description="torch.compile the model (after any checkpoint is loaded)")
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="Autocast precision")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
+    # checkpoints
+    checkpoint_dir: str | None = Field(None, description="Where checkpoints go; reusing one resumes it (default: a new run directory)")
+    checkpoint_every: int = Field(0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)")
+    keep_checkpoints: int = Field(2, ge=1)
+    train_retries: int = Field(1, ge=0, description="Prefect retries of the train task; each retry resumes")
+    # evaluation
+    eval_max_blocks: int = Field(256, ge=1, description="Validation blocks scored (the first N, fixed)")
+    num_samples: int = Field(4, ge=0, description="Text samples generated after training")
+    sample_max_new_tokens: int = Field(48, ge=1)
+    # tracking and registry
+    experiment: str = Field("llamaflow", description="MLflow experiment")
+    run_name: str | None = Field(None, description="MLflow run name (default: the Prefect flow run's name)")
+    model_name: str = Field("llamaflow", description="MLflow registered model name")
+    alias: str = Field("champion", description="Alias moved to the new version only when it is better")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        preset = values.get("preset", "demo")
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+        return {**PRESETS[preset], **values}
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> PretrainConfig:
+        from model import get_preset
+
+        try:
+            model_cfg = get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"model={self.model!r} with overrides {self.model_overrides}: {err}") from err
+        if self.seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"seq_len={self.seq_len} is larger than the model's max_position_embeddings="
+                f"{model_cfg.max_position_embeddings}: lower seq_len, or raise it with "
+                f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
+            )
+        if self.data and not self.data.startswith("hf:") and self.data != "stdlib":
+            if not any(ch in self.data for ch in "*?[") and not Path(self.data).expanduser().exists():
+                raise ValueError(
+                    f"data={self.data!r} does not exist: give an existing file, directory or glob, "
+                    "'hf:NAME' for a Hugging Face dataset, or leave it unset for the stdlib corpus"
+                )
+        for name in ("tokenizer", "init_checkpoint"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).expanduser().exists():
+                raise ValueError(f"{name}={value!r} does not exist: give an existing path, or leave it unset")
+        if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be smaller than max_steps={self.max_steps}"
+            )
+        return self
+
+    def model_dict(self) -> dict[str, Any]:
+        """The LlamaConfig this run trains, as a plain dict."""
+        from model import get_preset
+
+        return get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides).to_dict()
+
+    def train_settings(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Fields of tasks.training.TrainSettings, as plain values."""
+        keys = (
+            "micro_batch_size", "accumulate_steps", "max_steps", "epochs", "lr", "min_lr_ratio",
+            "warmup_steps", "schedule", "weight_decay", "grad_clip", "seed", "compile", "dtype",
+            "device", "checkpoint_every", "keep_checkpoints", "nproc_per_node",
+        )  # fmt: skip
+        return {**{k: getattr(self, k) for k in keys}, "checkpoint_dir": checkpoint_dir}

@@ -1,0 +1,206 @@
+"""The `pretrain` flow: tokenizer → packed dataset → model → train → evaluate → register.
+
+Composition and parameter validation only; the work lives in `tasks/`.
+
+    python -m flows.pretrain --preset tiny
+    python -m flows.pretrain --config run.yaml --max-steps 500 --no-compile
+
+    from flows.pretrain import pretrain, PretrainConfig
+    result = pretrain(PretrainConfig(preset="tiny"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+import tasks  # noqa: F401  (applies the embedded defaults before Prefect reads its settings)
+from flows.config import PretrainConfig
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from tasks import tracking
+from tasks.build import build_model_task
+from tasks.dataset import build_dataset_task
+from tasks.evaluate import evaluate_task
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
+from tasks.register import register_task
+from tasks.settings import runs_dir
+from tasks.tokenize import train_tokenizer_task
+from tasks.train import train_task
+
+
+class PretrainResult(BaseModel):
+    run_id: str
+    model_uri: str
+    registered: RegisteredModel
+    evaluation: EvalResult
+    checkpoint: CheckpointRef
+    tokenizer: TokenizerRef
+    dataset: DatasetRef
+    metrics: dict[str, float]
+    tracking_uri: str
+
+
+def _run_name(config: PretrainConfig) -> str:
+    ctx = FlowRunContext.get()
+    if config.run_name:
+        return config.run_name
+    if ctx is not None and ctx.flow_run is not None:
+        return ctx.flow_run.name
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+@flow(name="pretrain", log_prints=True, validate_parameters=True)
+def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
+    """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
+    log = get_run_logger()
+    uri = tracking.check_tracking_store()
+    run_name = _run_name(config)
+    checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_name)
+
+    tokenizer = train_tokenizer_task(
+        config.data, config.vocab_size, val_fraction=config.val_fraction, val_data=config.val_data,
+        text_field=config.text_field, tokenizer_path=config.tokenizer, seed=config.seed,
+    )  # fmt: skip
+    dataset = build_dataset_task(
+        config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction, val_data=config.val_data,
+        text_field=config.text_field, seed=config.seed,
+    )  # fmt: skip
+    model = build_model_task(config.model_dict(), seed=config.seed, init_checkpoint=config.init_checkpoint)
+    log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
+
+    run_id = tracking.start_run(config.experiment, run_name, tags=tracking.prefect_tags())
+    try:
+        tracking.log_params(run_id, {**config.model_dump(), "model_config": config.model_dict()})
+        tracking.log_dataset_input(run_id, dataset)
+        checkpoint = train_task.with_options(retries=config.train_retries)(
+            model, dataset, config.train_settings(checkpoint_dir), run_id=run_id
+        )
+        evaluation = evaluate_task(
+            checkpoint, dataset, tokenizer, initial_model=model, max_blocks=config.eval_max_blocks,
+            num_samples=config.num_samples, max_new_tokens=config.sample_max_new_tokens, seed=config.seed,
+            device=config.device, dtype=config.dtype,
+        )  # fmt: skip
+        tracking.log_evaluation(run_id, evaluation, step=checkpoint.step, checkpoint=checkpoint)
+        registered = register_task(
+            run_id=run_id, checkpoint=checkpoint, tokenizer=tokenizer, dataset=dataset,
+            eval_result=evaluation, model_name=config.model_name, alias=config.alias,
+        )  # fmt: skip
+    except BaseException:
+        tracking.end_run(run_id, "FAILED")
+        raise
+    tracking.end_run(run_id, "FINISHED")
+
+    metrics = {**checkpoint.metrics, "val_loss": evaluation.val_loss, "val_perplexity": evaluation.perplexity}
+    result = PretrainResult(
+        run_id=run_id,
+        model_uri=registered.uri,
+        registered=registered,
+        evaluation=evaluation,
+        checkpoint=checkpoint,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        metrics=metrics,
+        tracking_uri=uri,
+    )
+    tracking.publish_summary(result.model_dump(mode="json"))
+    _print_summary(result)
+    return result
+
+
+def _print_summary(result: PretrainResult) -> None:
+    ev = result.evaluation
+    lines = ["", "=" * 72]
+    if ev.initial_val_loss is not None:
+        lines.append(f"validation loss: {ev.initial_val_loss:.3f} before training → {ev.val_loss:.3f} after")
+    else:
+        lines.append(f"validation loss: {ev.val_loss:.3f}")
+    lines.append(f"perplexity: {ev.perplexity:.1f}   steps: {result.checkpoint.step}   "
+                 f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}")  # fmt: skip
+    verdict = "now holds" if result.registered.promoted else "stays with the previous version; not moved to"
+    lines.append(f"registered: {result.model_uri}  ({verdict} @{result.registered.alias})")
+    for prompt, completion in ev.samples[:2]:
+        lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
+    lines.append(f"look next: {tracking.ui_hint(result.run_id)}")
+    lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')")
+    lines.append("=" * 72)
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _cli_type(annotation: Any) -> tuple[Any, bool]:
+    """(argparse type, is_bool) for a field annotation such as `int | None` or `Literal[...]`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _cli_type(args[0])
+    if origin is typing.Literal:
+        return str, False
+    if annotation is bool:
+        return bool, True
+    if annotation in (int, float, str):
+        return annotation, False
+    return _json_value, False
+
+
+def _json_value(text: str) -> Any:
+    import json
+
+    return json.loads(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.pretrain",
+        description="Pretrain a Llama-style model: Prefect flow, MLflow tracking and registry.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file of PretrainConfig fields (flags override it)")
+    for name, field in PretrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind, is_bool = _cli_type(field.annotation)
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        default = field.default if field.default_factory is None else field.default_factory()
+        help_text = f"{field.description or ''} (default: {default!r}, or the preset's)".strip()
+        if is_bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=choices, help=help_text, metavar=name.upper())
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> PretrainConfig:
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    config_file = args.pop("config", None)
+    if config_file is not None:
+        import yaml
+
+        if not config_file.is_file():
+            raise SystemExit(f"--config {config_file}: no such file")
+        values.update(yaml.safe_load(config_file.read_text()) or {})
+    values.update(args)
+    return PretrainConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(argv)
+    except ValidationError as err:
+        print(f"invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    pretrain(config)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
