@@ -1,0 +1,177 @@
+"""Byte-level BPE tokenizers: trained on the corpus's train split, cached by content fingerprint.
+
+Special tokens of a trained tokenizer have fixed ids: `<|bos|>` = 0, `<|eos|>` = 1, `<|pad|>` = 2.
+An existing `tokenizer.json` can be given instead; its special tokens are looked up by their usual
+names, a missing pad token is added (PAD must never occur in real text, the trainer ignores it),
+and a missing BOS falls back to EOS.
+
+`train_tokenizer` is a plain function that returns at once when its output is already on disk;
+`train_tokenizer_task` is the Prefect task around it, cached on the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.context import TaskRunContext
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tasks import settings
+from tasks.corpus import DataError, DataSpec, blake, resolve_corpus
+from tasks.data_cache import is_complete, prefect_cache_key, prefect_results_dir, publish, staging_dir
+from tasks.refs import TokenizerRef
+
+ALGORITHM_VERSION = "bytelevel-bpe-v1"
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_VOCAB_SIZE = 2**32 - 1
+_BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
+_EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
+_PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|padding|>")
+
+
+def tokenizers_dir() -> Path:
+    return settings.cache_dir() / "tokenizers"
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise DataError(
+            f"vocab_size={vocab_size} is out of range: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens); 8192 suits the default corpus."
+        )
+
+
+def tokenizer_fingerprint(train_fingerprint: str, vocab_size: int, min_frequency: int) -> str:
+    return blake(ALGORITHM_VERSION, train_fingerprint, str(vocab_size), str(min_frequency))
+
+
+def load_tokenizer_ref(directory: Path) -> TokenizerRef:
+    meta = json.loads((directory / "meta.json").read_text())
+    return TokenizerRef(path=str(directory / "tokenizer.json"), **meta["ref"])
+
+
+def _write(directory: Path, tokenizer: Tokenizer, fingerprint: str, ids: dict[str, int], stats: dict[str, Any]) -> None:
+    staging = staging_dir(directory)
+    tokenizer.save(str(staging / "tokenizer.json"))
+    ref = {"fingerprint": fingerprint, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), **ids}
+    (staging / "meta.json").write_text(json.dumps({"ref": ref, "stats": stats}, indent=2))
+    publish(staging, directory)
+
+
+def train_tokenizer(
+    data: str | DataSpec | None = None,
+    vocab_size: int = 8192,
+    *,
+    val_fraction: float | None = None,
+    val_data: str | None = None,
+    text_field: str | None = None,
+    hf_split: str | None = None,
+    hf_val_split: str | None = None,
+    min_frequency: int = 2,
+    tokenizer_path: str | Path | None = None,
+) -> TokenizerRef:
+    """A byte-level BPE trained on the train split of `data`, or the tokenizer at `tokenizer_path`.
+
+    Returns at once when the tokenizer for these inputs is already in the cache.
+    """
+    if tokenizer_path is not None:
+        return import_tokenizer(tokenizer_path)
+    _check_vocab_size(vocab_size)
+    corpus = resolve_corpus(data, val_fraction=val_fraction, val_data=val_data, text_field=text_field,
+                            hf_split=hf_split, hf_val_split=hf_val_split)
+    fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, vocab_size, min_frequency)
+    directory = tokenizers_dir() / fingerprint
+    if is_complete(directory):
+        return load_tokenizer_ref(directory)
+
+    started = time.perf_counter()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus.train.texts(), trainer=trainer)
+    ids = {"bos_id": tokenizer.token_to_id(BOS), "eos_id": tokenizer.token_to_id(EOS),
+           "pad_id": tokenizer.token_to_id(PAD)}
+    assert ids == {"bos_id": 0, "eos_id": 1, "pad_id": 2}, ids
+    stats = {"seconds": round(time.perf_counter() - started, 3), "corpus": corpus.train.description,
+             "train_fingerprint": corpus.train.fingerprint, "requested_vocab_size": vocab_size}
+    _write(directory, tokenizer, fingerprint, ids, stats)
+    return load_tokenizer_ref(directory)
+
+
+def _find(vocab: dict[str, int], names: tuple[str, ...]) -> int | None:
+    return next((vocab[name] for name in names if name in vocab), None)
+
+
+def import_tokenizer(path: str | Path) -> TokenizerRef:
+    """Validate an existing `tokenizer.json`, find its special tokens, and cache a copy."""
+    source = Path(path).expanduser().resolve()
+    if not source.is_file():
+        raise DataError(f"Tokenizer file {source} does not exist; give the path of a tokenizer.json.")
+    raw = source.read_bytes()
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise DataError(f"{source} is not a valid Hugging Face tokenizer.json ({err}); "
+                        "save one with tokenizers' Tokenizer.save().") from err
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    eos_id = _find(vocab, _EOS_NAMES)
+    if eos_id is None:
+        raise DataError(f"{source} has no end-of-text token (looked for {list(_EOS_NAMES)}); documents are "
+                        "joined with EOS, so add one with tokenizer.add_special_tokens().")
+    pad_id = _find(vocab, _PAD_NAMES)
+    if pad_id is None:
+        tokenizer.add_special_tokens([PAD])
+        pad_id = tokenizer.token_to_id(PAD)
+    bos_id = _find(vocab, _BOS_NAMES)
+    ids = {"bos_id": eos_id if bos_id is None else bos_id, "eos_id": eos_id, "pad_id": pad_id}
+    fingerprint = blake(ALGORITHM_VERSION, "imported", raw)
+    directory = tokenizers_dir() / fingerprint
+    if not is_complete(directory):
+        _write(directory, tokenizer, fingerprint, ids, {"imported_from": str(source)})
+    return load_tokenizer_ref(directory)
+
+
+def check_vocab_fits(tokenizer: TokenizerRef, model_vocab_size: int) -> None:
+    """Raise DataError when the tokenizer emits ids the model's embedding has no row for."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise DataError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_vocab_size}; "
+            f"set the model's vocab_size to at least {tokenizer.vocab_size} (e.g. rounded up to a multiple of 64: "
+            f"{-(-tokenizer.vocab_size // 64) * 64}) or train a smaller tokenizer."
+        )
+
+
+def _tokenizer_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
+    """The output's fingerprint; None (no caching) for an imported tokenizer."""
+    args = dict(parameters)
+    if args.get("tokenizer_path") is not None:
+        return None  # importing is cheap and the file may change in place
+    corpus = resolve_corpus(args.get("data"), val_fraction=args.get("val_fraction"), val_data=args.get("val_data"),
+                            text_field=args.get("text_field"), hf_split=args.get("hf_split"),
+                            hf_val_split=args.get("hf_val_split"))
+    fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, args.get("vocab_size", 8192),
+                                        args.get("min_frequency", 2))
+    return prefect_cache_key("train_tokenizer", fingerprint, tokenizers_dir() / fingerprint)
+
+
+train_tokenizer_task = task(
+    train_tokenizer,
+    name="train_tokenizer",
+    cache_key_fn=_tokenizer_cache_key,
+    persist_result=True,
+    result_storage=prefect_results_dir(),
+    result_serializer="json",
+)
