@@ -1,0 +1,228 @@
+"""Llama decoder in plain PyTorch: RMSNorm, rotary embeddings (rotate-half, as in Hugging Face),
+grouped-query attention through `F.scaled_dot_product_attention`, SwiGLU MLP.
+
+Speed choices: the q/k/v projections are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`);
+`model/hf.py` splits and joins them for Hugging Face interchange. Without an attention mask the causal
+fast path (`is_causal=True`) is used and no mask tensor is built. Nothing in `forward` syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import LlamaConfig, rope_inverse_frequencies
+from model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, heads, head_dim); cos/sin broadcastable as (B or 1, T, 1, head_dim)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.groups = config.num_key_value_groups
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        qkv = self.qkv_proj(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = apply_rotary(q, cos, sin).transpose(1, 2)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        if self.groups > 1:
+            # Each key/value head serves `groups` consecutive query heads (same layout as HF repeat_kv).
+            k = k.repeat_interleave(self.groups, dim=1)
+            v = v.repeat_interleave(self.groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack without the output head (named like Hugging Face's `LlamaModel`)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForPretraining(nn.Module):
+    """Llama decoder with a language-model head. `forward` returns logits; the trainer computes the loss."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._register_rope_tables()
+        self.reset_parameters()
+
+    def _register_rope_tables(self, device: torch.device | None = None) -> None:
+        inv_freq = rope_inverse_frequencies(self.config).to(device)
+        positions = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        # Derived from the config, so not saved with the weights.
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab), in the autocast dtype when autocast is on.
+
+        attn_mask: optional (batch, past + seq) with 1/True for real tokens and 0/False for padding (past is
+        the length already in `kv_cache`). With a mask, positions count real tokens only (left padding works)
+        and padded positions get all-zero logits. Without a mask, no mask tensor is built (causal fast path).
+        position_ids: optional (batch, seq) explicit positions. kv_cache: a `KVCache` for incremental decoding.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        batch, seq = input_ids.shape
+        past = 0 if kv_cache is None else kv_cache.length
+        total = past + seq
+        if total > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {total} tokens exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}; shorten the input or raise max_position_embeddings"
+            )
+
+        mask, is_causal = None, False
+        if attn_mask is not None:
+            if attn_mask.shape != (batch, total):
+                raise ValueError(
+                    f"attn_mask must have shape (batch, past + seq) = {(batch, total)}, got {tuple(attn_mask.shape)}"
+                )
+            real = attn_mask.bool()
+            mask = _padding_causal_mask(real, past, seq)
+            if position_ids is None:
+                position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        elif past == 0:
+            is_causal = seq > 1
+        elif seq > 1:
+            mask = _padding_causal_mask(None, past, seq, device=input_ids.device)
+
+        if position_ids is None:
+            cos = self.rope_cos[past:total].view(1, seq, 1, -1)
+            sin = self.rope_sin[past:total].view(1, seq, 1, -1)
+        else:
+            cos = self.rope_cos[position_ids].unsqueeze(2)
+            sin = self.rope_sin[position_ids].unsqueeze(2)
+
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, mask, is_causal, kv_cache)
+        h = self.model.norm(h)
+        if attn_mask is not None:
+            h = h * attn_mask[:, past:, None].to(h.dtype)
+        if kv_cache is not None:
+            kv_cache.advance(seq)
+        return self.lm_head(h)
+
+
+def _padding_causal_mask(
+    real: torch.Tensor | None, past: int, seq: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Boolean (batch or 1, 1, seq, past + seq) mask, True = may attend.
+
+    Queries attend causally to real keys; every query may also attend itself, so a query with no real key
+    before it (a padding position) still has a finite softmax instead of NaN. Its output is zeroed later.
+    """
+    device = real.device if real is not None else device
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if real is None:
+        return allowed[None, None]
+    return (allowed[None, None] & real[:, None, None, :]) | (k_pos == q_pos)[None, None]

@@ -1,0 +1,108 @@
+"""Weights on disk as safetensors: always the plain module's state dict, never a pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+COMPILED_MODEL_ERROR = (
+    "load weights into the plain module before torch.compile "
+    "(call load_weights(model, ...) then torch.compile(model))"
+)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside torch.compile (`_orig_mod`) and DistributedDataParallel (`.module`) wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or hasattr(model, "_orig_mod")
+
+
+def _tied_head(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
+
+
+def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write the unwrapped module's state dict to `path` as safetensors (atomically).
+
+    A tied output head is stored once (as the embedding). The model config, if any, goes into the file's
+    metadata under "config" as JSON.
+    """
+    plain = unwrap(model)
+    state = plain.state_dict()
+    if _tied_head(plain):
+        state.pop("lm_head.weight", None)
+    tensors = {name: t.detach().contiguous() for name, t in state.items()}
+    meta = {"format": "pt"}
+    config = getattr(plain, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        meta["config"] = json.dumps(config.to_dict())
+    meta.update(metadata or {})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load a safetensors state dict into a plain (not yet compiled) module, strictly; returns the module."""
+    if is_compiled(model):
+        raise TypeError(COMPILED_MODEL_ERROR)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path} is not a .safetensors file; only safetensors weights are loaded (no pickles)")
+    plain = unwrap(model)
+    device = next(plain.parameters()).device
+    loaded = load_file(str(path), device=str(device))
+    state = {}
+    for name, tensor in loaded.items():
+        for prefix in _WRAPPER_PREFIXES:
+            while name.startswith(prefix):
+                name = name[len(prefix) :]
+        state[name] = tensor
+    if _tied_head(plain) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+
+    expected = plain.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = [
+        f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in state and state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or wrong_shape:
+        saved_config = read_metadata(path).get("config")
+        hint = f" The file was saved from config {saved_config}." if saved_config else ""
+        raise ValueError(
+            f"weights in {path} do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shapes {wrong_shape[:5]}. Build the model with the config the weights were saved with."
+            + hint
+        )
+    plain.load_state_dict(state, strict=True)
+    return model
