@@ -13,7 +13,7 @@ ARGS ?=
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) -e '.[dev]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

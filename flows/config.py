@@ -104,6 +104,10 @@ class PretrainConfig(BaseModel):
     checkpoint_every: int = Field(0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)")
     keep_checkpoints: int = Field(2, ge=1)
     train_retries: int = Field(1, ge=0, description="Prefect retries of the train task; each retry resumes")
+    placement: Literal["local", "deployment"] = Field(
+        "local", description="local: train in this flow run; deployment: run the train deployment on the GPU pool"
+    )
+    train_deployment: str = Field("train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment")
     # evaluation
     eval_max_blocks: int = Field(256, ge=1, description="Validation blocks scored (the first N, fixed)")
     num_samples: int = Field(4, ge=0, description="Text samples generated after training")

@@ -23,9 +23,10 @@ from pydantic import BaseModel, ValidationError
 
 import tasks  # noqa: F401  (applies the embedded defaults before Prefect reads its settings)
 from flows.config import PretrainConfig
+from flows.placement import run_training
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
-from tasks import tracking
+from tasks import report, tracking
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
 from tasks.evaluate import evaluate_task
@@ -33,7 +34,6 @@ from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, T
 from tasks.register import register_task
 from tasks.settings import runs_dir
 from tasks.tokenize import train_tokenizer_task
-from tasks.train import train_task
 
 
 class PretrainResult(BaseModel):
@@ -48,13 +48,13 @@ class PretrainResult(BaseModel):
     tracking_uri: str
 
 
-def _run_name(config: PretrainConfig) -> str:
+def _run_identity(config: PretrainConfig) -> tuple[str, str]:
+    """(MLflow run name, run directory key): the flow run's name and id when there is one."""
     ctx = FlowRunContext.get()
-    if config.run_name:
-        return config.run_name
     if ctx is not None and ctx.flow_run is not None:
-        return ctx.flow_run.name
-    return f"run-{uuid.uuid4().hex[:8]}"
+        return config.run_name or ctx.flow_run.name, str(ctx.flow_run.id)
+    key = uuid.uuid4().hex
+    return config.run_name or f"run-{key[:8]}", key
 
 
 @flow(name="pretrain", log_prints=True, validate_parameters=True)
@@ -62,8 +62,9 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     log = get_run_logger()
     uri = tracking.check_tracking_store()
-    run_name = _run_name(config)
-    checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_name)
+    run_name, run_key = _run_identity(config)
+    # A retry of this flow run reuses its directory and resumes; another run never shares it.
+    checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_key)
 
     tokenizer = train_tokenizer_task(
         config.data, config.vocab_size, val_fraction=config.val_fraction, val_data=config.val_data,
@@ -76,19 +77,17 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     model = build_model_task(config.model_dict(), seed=config.seed, init_checkpoint=config.init_checkpoint)
     log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
 
-    run_id = tracking.start_run(config.experiment, run_name, tags=tracking.prefect_tags())
+    run_id = tracking.start_run(config.experiment, run_name, tags=report.flow_run_tags())
     try:
         tracking.log_params(run_id, {**config.model_dump(), "model_config": config.model_dict()})
         tracking.log_dataset_input(run_id, dataset)
-        checkpoint = train_task.with_options(retries=config.train_retries)(
-            model, dataset, config.train_settings(checkpoint_dir), run_id=run_id
-        )
+        checkpoint = run_training(config, model, dataset, checkpoint_dir, run_id)
         evaluation = evaluate_task(
             checkpoint, dataset, tokenizer, initial_model=model, max_blocks=config.eval_max_blocks,
             num_samples=config.num_samples, max_new_tokens=config.sample_max_new_tokens, seed=config.seed,
             device=config.device, dtype=config.dtype,
         )  # fmt: skip
-        tracking.log_evaluation(run_id, evaluation, step=checkpoint.step, checkpoint=checkpoint)
+        report.log_evaluation(run_id, evaluation, checkpoint=checkpoint)
         registered = register_task(
             run_id=run_id, checkpoint=checkpoint, tokenizer=tokenizer, dataset=dataset,
             eval_result=evaluation, model_name=config.model_name, alias=config.alias,
@@ -110,7 +109,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         metrics=metrics,
         tracking_uri=uri,
     )
-    tracking.publish_summary(result.model_dump(mode="json"))
+    report.publish_summary(result.model_dump(mode="json"))
     _print_summary(result)
     return result
 
@@ -128,7 +127,7 @@ def _print_summary(result: PretrainResult) -> None:
     lines.append(f"registered: {result.model_uri}  ({verdict} @{result.registered.alias})")
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
-    lines.append(f"look next: {tracking.ui_hint(result.run_id)}")
+    lines.append(f"look next: {tracking.run_link(result.run_id, result.tracking_uri)}")
     lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')")
     lines.append("=" * 72)
     print("\n".join(lines))
