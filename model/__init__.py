@@ -8,6 +8,8 @@ from model.config import (
     flops_per_token,
     get_preset,
 )
+from model.generate import generate, sample_next
+from model.hf import export_hf, import_hf
 from model.kv_cache import KVCache
 from model.llama import LlamaForPretraining
 from model.weights import load_weights, save_weights, unwrap
@@ -19,6 +21,10 @@ __all__ = [
     "LlamaForPretraining",
     "count_params",
     "describe_presets",
+    "export_hf",
+    "generate",
+    "import_hf",
+    "sample_next",
     "flops_per_token",
     "get_preset",
     "load_weights",

@@ -141,6 +141,15 @@ class LlamaForPretraining(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # .to(dtype) would round the RoPE tables to bf16, to_empty would leave garbage: rebuild them in float32.
+        super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight = self.model.embed_tokens.weight  # to_empty unties them
+        if self.rope_cos.device.type != "meta":
+            self._register_rope_tables(self.rope_cos.device)
+        return self
+
     def reset_parameters(self) -> None:
         """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms."""
         std = self.config.initializer_range
