@@ -1,0 +1,207 @@
+"""tasks.tracking against a real, temporary SQLite MLflow store (the server case is in test_register)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks import settings, tracking
+from tasks.refs import DatasetRef
+
+
+@pytest.fixture()
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("LLAMAFLOW_MLRUNS", str(tmp_path / "mlruns"))
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+@pytest.fixture()
+def run_id(store: str) -> str:
+    return tracking.start_run("tracking-tests", run_name="unit", tags={"purpose": "test"})
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_run_lifecycle_and_experiment_location(store: str, run_id: str) -> None:
+    client = tracking.get_client()
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"
+    assert run.info.run_name == "unit"
+    assert run.data.tags["purpose"] == "test"
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == "tracking-tests"
+    assert experiment.artifact_location.startswith(settings.artifact_root())
+    # Idempotent: the same name gives the same experiment.
+    assert tracking.ensure_experiment("tracking-tests") == run.info.experiment_id
+
+    tracking.end_run(run_id, "failed")
+    assert tracking.run_status(run_id) == "FAILED"
+    with pytest.raises(ValueError, match="not one of"):
+        tracking.end_run(run_id, "DONE")
+
+
+def test_log_params_flattens_truncates_and_batches(run_id: str) -> None:
+    long_value = "x" * 10_000
+    params = {
+        "model": {"hidden_size": 64, "rope_scaling": None, "nested": {"a": [1, 2]}},
+        "lr": 3e-4,
+        "notes": long_value,
+        **{f"p{i:03d}": i for i in range(250)},  # more than one log_batch (100 params) worth
+    }
+    logged = tracking.log_params(run_id, params)
+    stored = tracking.get_client().get_run(run_id).data.params
+    assert stored == logged
+    assert stored["model.hidden_size"] == "64"
+    assert stored["model.rope_scaling"] == "null"
+    assert stored["model.nested.a"] == "[1, 2]"
+    assert stored["lr"] == "0.0003"
+    assert len(stored["notes"]) == tracking.MAX_PARAM_VAL_LENGTH
+    assert stored["notes"].endswith("[truncated]")
+    assert stored["p249"] == "249"
+    assert len(stored) == 255
+
+
+def test_dataset_input_carries_fingerprint_and_token_counts(run_id: str, tmp_path: Path) -> None:
+    ref = DatasetRef(
+        path=str(tmp_path / "packed-abc"),
+        fingerprint="f" * 64,
+        seq_len=128,
+        vocab_size=512,
+        train_blocks=10,
+        val_blocks=2,
+        train_tokens=1290,
+        val_tokens=258,
+        stats={"documents": 7},
+    )
+    tracking.log_dataset_input(run_id, ref)
+    inputs = tracking.get_client().get_run(run_id).inputs.dataset_inputs
+    assert len(inputs) == 1
+    dataset = inputs[0].dataset
+    assert dataset.name == "packed-abc"
+    assert dataset.digest == ref.fingerprint[:36]
+    profile = json.loads(dataset.profile)
+    assert profile["fingerprint"] == ref.fingerprint
+    assert profile["train_tokens"] == 1290 and profile["val_tokens"] == 258
+    assert profile["stats.documents"] == 7
+    assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == "training"
+
+
+def test_sink_batches_by_step_count_and_keeps_every_point(run_id: str) -> None:
+    client = tracking.get_client()
+    sink = tracking.MlflowSink(run_id, flush_every_steps=50, flush_every_s=3600)
+    started = time.perf_counter()
+    for step in range(120):
+        sink.log_metrics({"train/loss": 10.0 - step * 0.05, "train/lr": 1e-3, "train/tokens_per_s": 5000.0}, step)
+    per_step_ms = (time.perf_counter() - started) / 120 * 1000
+    assert sink.flushes == 2
+    assert len(client.get_metric_history(run_id, "train/loss")) == 100  # the last 20 are still buffered
+    sink.close()
+    assert sink.flushes == 3
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(120))
+    assert history[7].value == pytest.approx(10.0 - 7 * 0.05)
+    print(f"MlflowSink overhead: {per_step_ms:.3f} ms/step (3 metrics, flush every 50 steps, SQLite)")
+    assert per_step_ms < 20, "batched logging should cost well under a synchronous call per metric"
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.log_metrics({"train/loss": 1.0}, 121)
+
+
+def test_sink_flushes_on_time(run_id: str) -> None:
+    client = tracking.get_client()
+    with tracking.MlflowSink(run_id, flush_every_steps=10_000, flush_every_s=0.2) as sink:
+        sink.log_metrics({"val/loss": 4.0}, 0)
+        assert client.get_metric_history(run_id, "val/loss") == []
+        time.sleep(0.3)
+        sink.log_metrics({"val/loss": 3.5}, 1)
+        assert [m.value for m in client.get_metric_history(run_id, "val/loss")] == [4.0, 3.5]
+
+
+def test_sink_logs_params_and_artifacts(run_id: str, tmp_path: Path) -> None:
+    note = tmp_path / "note.txt"
+    note.write_text("hello")
+    with tracking.MlflowSink(run_id) as sink:
+        sink.log_params({"train": {"steps": 5}})
+        sink.log_artifact(note, "notes")
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            sink.log_artifact(tmp_path / "missing.txt")
+    client = tracking.get_client()
+    assert client.get_run(run_id).data.params["train.steps"] == "5"
+    assert [f.path for f in client.list_artifacts(run_id, "notes")] == ["notes/note.txt"]
+
+
+def test_training_curves_from_jsonl_with_a_torn_last_line(run_id: str, tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "train/loss": 8 - s * 0.1, "lr": min(1.0, s / 5) * 1e-3} for s in range(30)]
+    rows.append({"step": 29, "val/loss": 5.5})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 30, "train/lo')
+    assert tracking.log_training_curves(run_id, path) == "loss_curve.png"
+    local = tracking.get_client().download_artifacts(run_id, "loss_curve.png", str(tmp_path))
+    assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    with pytest.raises(ValueError, match="no loss values"):
+        tracking.log_training_curves(run_id, [{"step": 1, "lr": 0.1}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        tracking.log_training_curves(run_id, bad)
+
+
+def test_samples_table(run_id: str, tmp_path: Path) -> None:
+    tracking.log_samples(run_id, [("def ", "foo(x):"), ("class ", "Bar:")])
+    local = tracking.get_client().download_artifacts(run_id, "samples.json", str(tmp_path))
+    table = json.loads(Path(local).read_text())
+    assert table["columns"] == ["prompt", "completion"]
+    assert table["data"] == [["def ", "foo(x):"], ["class ", "Bar:"]]
+    with pytest.raises(ValueError, match="No samples"):
+        tracking.log_samples(run_id, [])
+
+
+def test_run_link(store: str, run_id: str) -> None:
+    link = tracking.run_link(run_id)
+    assert link.startswith(f"mlflow ui --backend-store-uri {store}")
+    assert run_id in link
+
+
+def test_closed_server_port_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    started = time.perf_counter()
+    with pytest.raises(tracking.TrackingStoreUnavailable) as excinfo:
+        tracking.start_run("never-created")
+    assert time.perf_counter() - started < 5
+    message = str(excinfo.value)
+    assert uri in message
+    assert "mlflow server" in message and "unset MLFLOW_TRACKING_URI" in message
+
+
+@pytest.mark.parametrize(
+    ("uri", "needle"),
+    [("sqlite:///relative/mlflow.db", "absolute SQLite path"), ("file:./mlruns", "file store")],
+)
+def test_unusable_store_uris_are_rejected(uri: str, needle: str) -> None:
+    with pytest.raises(tracking.TrackingStoreUnavailable, match=needle):
+        tracking.check_tracking_store(uri)
+
+
+def test_system_metrics_need_psutil(run_id: str) -> None:
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        with pytest.warns(UserWarning, match="pip install psutil"):
+            assert tracking.start_system_metrics(run_id) is None
+    else:
+        monitor = tracking.start_system_metrics(run_id, sampling_interval_s=0.1)
+        time.sleep(0.5)
+        monitor.finish()
+        metrics = tracking.get_client().get_run(run_id).data.metrics
+        assert any(key.startswith("system/") for key in metrics)
