@@ -1,0 +1,188 @@
+"""Atomic, checksummed checkpoints `step_000123/` and finding the newest good one to resume from.
+
+A checkpoint is written into `.tmp-step_000123-<pid>/`, every file fsynced, `manifest.json` (sha256 of every
+other file) written last, then the directory is renamed into place. A directory without a valid manifest
+is never resumed from, so a `kill -9` at any moment leaves either the old or the new checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from model import save_weights, unwrap
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.json"
+SETTINGS_FILE = "train_settings.json"
+MANIFEST_FILE = "manifest.json"
+REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, CONFIG_FILE, SETTINGS_FILE)
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """Renamed-into-place checkpoint directories, oldest first."""
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        ("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"], np_state["has_gauss"],
+         np_state["cached_gaussian"])
+    )  # fmt: skip
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    model_config: dict[str, Any],
+    settings: dict[str, Any],
+    keep: int,
+    midway: Callable[[], None] | None = None,
+) -> Path:
+    """Write `run_dir/step_{step:06d}` atomically, then keep only the newest `keep` checkpoints."""
+    final = run_dir / checkpoint_name(step)
+    tmp = run_dir / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_weights(unwrap(model), tmp / MODEL_FILE)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if midway is not None:
+        midway()
+    torch.save(trainer_state, tmp / STATE_FILE)
+    (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
+    (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+    checksums = {}
+    for name in REQUIRED_FILES:
+        _fsync_file(tmp / name)
+        checksums[name] = _sha256(tmp / name)
+    (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
+    _fsync_file(tmp / MANIFEST_FILE)
+    _fsync_dir(tmp)
+    if final.exists():  # same step written again (e.g. a stop request right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(run_dir)
+    for _, old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` cannot be resumed from, or None when every file matches its manifest checksum."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest.json (partially written)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        checksums = manifest["sha256"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable manifest.json ({exc})"
+    for name in REQUIRED_FILES:
+        if name not in checksums:
+            return f"manifest.json lists no {name}"
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != checksums[name]:
+            return f"{name} does not match its sha256 in manifest.json (truncated or corrupt)"
+    return None
+
+
+def newest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning."""
+    for _, path in reversed(checkpoint_dirs(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete `.tmp-step_*` directories left behind by a killed writer."""
+    if run_dir.is_dir():
+        for path in run_dir.glob(".tmp-step_*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+def load_optimizer_state(path: Path) -> dict[str, Any]:
+    # Optimizer.load_state_dict moves each state tensor to its parameter's device itself.
+    return torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

@@ -1,0 +1,53 @@
+"""Fault injection for tests, read from one place: `LLAMAFLOW_FAULT_INJECT`.
+
+Comma-separated `name=step` pairs, steps counted as completed optimizer steps (1-based):
+- `nan_at_step=3`: the loss of step 3 becomes NaN (health check must stop the run).
+- `crash_at_step=2`: raise RuntimeError once before step 2 runs (a marker file in the run directory makes
+  it once per run directory, so a retry succeeds).
+- `kill_at_step=5`: SIGKILL this process right after step 5 (before any checkpoint of step 5).
+- `kill_in_checkpoint=4`: SIGKILL this process halfway through writing the checkpoint of step 4.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+ENV_VAR = "LLAMAFLOW_FAULT_INJECT"
+_KNOWN = ("nan_at_step", "crash_at_step", "kill_at_step", "kill_in_checkpoint")
+
+
+def injected_faults() -> dict[str, int]:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    faults: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        name, _, value = item.partition("=")
+        if name not in _KNOWN or not value.strip().isdigit():
+            raise ValueError(f"{ENV_VAR}={raw!r}: expected comma-separated NAME=STEP with NAME in {_KNOWN}")
+        faults[name] = int(value)
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, run_dir: Path) -> None:
+        self.faults = injected_faults()
+        self.run_dir = run_dir
+
+    def before_step(self, step: int) -> None:
+        if self.faults.get("crash_at_step") == step:
+            marker = self.run_dir / f".fault-crash-at-{step}"
+            if not marker.exists():
+                marker.touch()
+                raise RuntimeError(f"injected crash before step {step} ({ENV_VAR})")
+
+    def loss_is_nan(self, step: int) -> bool:
+        return self.faults.get("nan_at_step") == step
+
+    def after_step(self, step: int) -> None:
+        if self.faults.get("kill_at_step") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def mid_checkpoint(self, step: int) -> None:
+        if self.faults.get("kill_in_checkpoint") == step:
+            os.kill(os.getpid(), signal.SIGKILL)

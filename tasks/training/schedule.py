@@ -1,0 +1,67 @@
+"""Learning-rate schedules counted in optimizer steps, and the run length they are spread over."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+
+def total_optimizer_steps(
+    n_blocks: int,
+    micro_batch_size: int,
+    accumulate_steps: int,
+    world_size: int,
+    epochs: float,
+    max_steps: int | None = None,
+) -> int:
+    """Optimizer steps of a run: `ceil(epochs * steps_per_epoch)`, capped by `max_steps` when given.
+
+    An epoch is `ceil(n_blocks / global_batch)` steps: its last step takes the leftover blocks.
+    """
+    if n_blocks <= 0:
+        raise ValueError("the training split holds no blocks; build the dataset from more text or a shorter seq_len")
+    per_epoch = steps_per_epoch(n_blocks, micro_batch_size * accumulate_steps * world_size)
+    total = math.ceil(epochs * per_epoch - 1e-9)
+    if max_steps is not None:
+        total = min(total, max_steps)
+    return max(1, total)
+
+
+def steps_per_epoch(n_blocks: int, global_batch: int) -> int:
+    return -(-n_blocks // global_batch)
+
+
+def lr_at(
+    step: int,
+    *,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
+    schedule: Literal["cosine", "wsd"] = "cosine",
+    decay_fraction: float = 0.2,
+) -> float:
+    """Learning rate of optimizer step `step` (0-based: the first update uses `lr_at(0)`).
+
+    Warmup: `lr * (step + 1) / warmup_steps` for the first `warmup_steps` steps. Then
+    cosine: from `lr` down to `min_lr_ratio * lr`, reached exactly at the last step `total_steps - 1`;
+    wsd (warmup-stable-decay): `lr` until the last `decay_fraction` of the post-warmup steps, then linear
+    down to `min_lr_ratio * lr` at the last step.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    min_lr = lr * min_lr_ratio
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    after = total_steps - warmup_steps  # steps left after warmup
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup_steps) / max(1, after - 1))
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_steps = max(1, round(decay_fraction * after))
+        decay_start = total_steps - decay_steps
+        if step < decay_start:
+            return lr
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return lr + (min_lr - lr) * progress
+    raise ValueError(f"unknown schedule {schedule!r}; use 'cosine' or 'wsd'")
