@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT_VERSION = "corpus-v1"
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -65,20 +65,17 @@ class DataSpec(BaseModel):
     hf_val_split: str | None = None
     streaming: bool = False
 
-    @field_validator("val_fraction")
-    @classmethod
-    def _fraction_in_range(cls, value: float) -> float:
-        if not 0.0 < value < 1.0:
-            raise DataError(f"val_fraction={value} must be between 0 and 1 (exclusive); 0.05 is typical.")
-        return value
-
 
 def as_spec(data: str | DataSpec | None = None, **overrides: Any) -> DataSpec:
     """A DataSpec from a source string or a spec; keyword overrides that are None are ignored."""
     updates = {key: value for key, value in overrides.items() if value is not None}
     if isinstance(data, DataSpec):
-        return data.model_copy(update=updates) if updates else data
-    return DataSpec(data=data, **updates)
+        spec = DataSpec(**{**data.model_dump(), **updates})
+    else:
+        spec = DataSpec(data=data, **updates)
+    if not 0.0 < spec.val_fraction < 1.0:
+        raise DataError(f"val_fraction={spec.val_fraction} must be between 0 and 1 (exclusive); 0.05 is typical.")
+    return spec
 
 
 def blake(*parts: str | bytes) -> str:
