@@ -75,11 +75,16 @@ def train_tokenizer(
     hf_val_split: str | None = None,
     min_frequency: int = 2,
     tokenizer_path: str | Path | None = None,
+    seed: int | None = None,
 ) -> TokenizerRef:
     """A byte-level BPE trained on the train split of `data`, or the tokenizer at `tokenizer_path`.
 
-    Returns at once when the tokenizer for these inputs is already in the cache.
+    Returns at once when the tokenizer for these inputs is already in the cache. With
+    `tokenizer_path`, `data` and `vocab_size` are ignored: the file's own vocabulary decides (check
+    it against the model with `check_vocab_fits`). `seed` is accepted for a uniform stage interface
+    and unused: BPE training is deterministic.
     """
+    del seed
     if tokenizer_path is not None:
         return import_tokenizer(tokenizer_path)
     _check_vocab_size(vocab_size)
