@@ -52,16 +52,7 @@ def _train_with_torchrun(
     should_stop: Callable[[], bool] | None,
 ) -> CheckpointRef:
     run_dir = Path(settings.checkpoint_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "model_ref": model_ref.model_dump(mode="json"),
-        "dataset_ref": dataset_ref.model_dump(mode="json"),
-        "settings": settings.model_dump(mode="json"),
-        "progress": progress,
-        "result_path": str(run_dir / RESULT_FILE),
-    }
-    spec_path = run_dir / SPEC_FILE
-    spec_path.write_text(json.dumps(spec, indent=2))
+    spec_path = write_worker_spec(model_ref, dataset_ref, settings, progress=progress)
     result_path = run_dir / RESULT_FILE
     result_path.unlink(missing_ok=True)
     metrics_path = run_dir / METRICS_FILE
@@ -96,6 +87,25 @@ def _train_with_torchrun(
             f"workers' output above. Rerun with the same checkpoint_dir ({run_dir}) to resume"
         )
     return CheckpointRef.model_validate_json(result_path.read_text())
+
+
+def write_worker_spec(
+    model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings, *, progress: bool = False
+) -> Path:
+    """Write `<checkpoint_dir>/worker_spec.json` for `python -m tasks.training.worker`; its result lands in
+    `<checkpoint_dir>/worker_result.json`."""
+    run_dir = Path(settings.checkpoint_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model_ref": model_ref.model_dump(mode="json"),
+        "dataset_ref": dataset_ref.model_dump(mode="json"),
+        "settings": settings.model_dump(mode="json"),
+        "progress": progress,
+        "result_path": str(run_dir / RESULT_FILE),
+    }
+    spec_path = run_dir / SPEC_FILE
+    spec_path.write_text(json.dumps(spec, indent=2))
+    return spec_path
 
 
 def _forward(metrics_path: Path, offset: int, sink: MetricSink | None) -> int:

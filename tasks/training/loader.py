@@ -135,8 +135,10 @@ class BlockLoader:
         real = indices != _EMPTY
         if real.any():
             rows[real] = self.blocks[indices[real]]
-        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
-        targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+        # Explicit copies: for a single row both slices are contiguous views of one buffer, and masking the
+        # targets would write into the inputs.
+        inputs = torch.from_numpy(rows[:, :-1].copy())
+        targets = torch.from_numpy(rows[:, 1:].copy())
         targets[targets == self.pad_id] = IGNORE_INDEX
         targets[torch.from_numpy(~real)] = IGNORE_INDEX
         return self._to_device(inputs), self._to_device(targets)

@@ -1,4 +1,7 @@
-"""One rank of a `torchrun` data-parallel job: `python -m tasks.training.worker <worker_spec.json>`."""
+"""One rank of a `torchrun` data-parallel job: `python -m tasks.training.worker <worker_spec.json>`.
+
+Started without torchrun (no WORLD_SIZE), it trains as a single process: a run in its own process.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def main(spec_path: str) -> None:
     settings = TrainSettings(**spec["settings"])
     context = context_from_env()
     use_cuda = settings.device.startswith("cuda") or (settings.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if context.distributed:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     try:
         ref = run_training(
             ModelRef(**spec["model_ref"]),
@@ -36,7 +40,7 @@ def main(spec_path: str) -> None:
             settings,
             progress=spec["progress"],
             dist=context,
-            ddp_wrap=_wrap_ddp,
+            ddp_wrap=_wrap_ddp if context.distributed else None,
         )
         if context.is_main:
             result = Path(spec["result_path"])
@@ -44,7 +48,8 @@ def main(spec_path: str) -> None:
             tmp.write_text(ref.model_dump_json())
             os.replace(tmp, result)
     finally:
-        dist.destroy_process_group()
+        if context.distributed:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,270 @@
+"""Training engine, in-process and eager: data order, exact accumulation, schedule, health, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import LlamaConfig, LlamaForPretraining, get_preset, load_weights
+from tasks.refs import DatasetRef, ModelRef
+from tasks.training import TrainingError, TrainSettings, lr_at, read_metrics, train
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.faults import ENV_VAR
+from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
+from tasks.training.loader import IGNORE_INDEX, BlockLoader
+from tasks.training.optim import count_targets, token_loss_sum
+
+VOCAB = 96
+SEQ = 16
+PAD = 0
+
+
+def tiny_config() -> LlamaConfig:
+    return get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+def uneven_blocks(n: int, seed: int) -> np.ndarray:
+    """Pattern text where a third of the blocks end in padding of different lengths."""
+    blocks = pattern_blocks(n, SEQ, VOCAB, seed)
+    rng = np.random.default_rng(seed + 100)
+    for row in range(0, n, 3):
+        blocks[row, rng.integers(2, SEQ) :] = PAD
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    # 29 blocks: with a global batch of 8 every epoch ends in a smaller step of 5 blocks.
+    directory = tmp_path_factory.mktemp("packed")
+    return write_packed_dataset(directory, uneven_blocks(29, 0), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def model_ref(tmp_path_factory: pytest.TempPathFactory) -> ModelRef:
+    return write_model_ref(tmp_path_factory.mktemp("model"), tiny_config(), seed=0)
+
+
+def settings(tmp_path: Path, name: str = "run", **overrides: object) -> TrainSettings:
+    base: dict[str, object] = dict(
+        micro_batch_size=2, accumulate_steps=4, epochs=2.0, lr=3e-3, warmup_steps=2, compile=False,
+        dtype="fp32", checkpoint_dir=str(tmp_path / name),
+    )  # fmt: skip
+    base.update(overrides)
+    return TrainSettings(**base)  # type: ignore[arg-type]
+
+
+def final_weights(ref_path: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(ref_path) / "model.safetensors"))
+
+
+def assert_state_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- loader
+
+
+def rows_seen(blocks: np.ndarray, steps: int, mb: int, acc: int, world: int) -> list[list[int]]:
+    """Per step: the first target token of every real row, over all ranks, in rank/micro-batch order."""
+    loaders = [
+        BlockLoader(blocks, pad_id=PAD, micro_batch_size=mb, accumulate_steps=acc, seed=7, rank=r, world_size=world)
+        for r in range(world)
+    ]
+    seen = []
+    for _ in range(steps):
+        step_rows = []
+        for loader in loaders:
+            for inputs, _targets in loader.next_step().micro_batches:
+                assert inputs.shape == (mb, SEQ)
+                step_rows += [int(row[0]) for row in inputs if row.ne(PAD).any()]
+        seen.append(step_rows)
+    return seen
+
+
+def test_example_order_does_not_depend_on_micro_batch_accumulation_or_ranks() -> None:
+    blocks = pattern_blocks(29, SEQ, VOCAB, 3)  # no padding: every row is real
+    reference = rows_seen(blocks, 8, mb=8, acc=1, world=1)  # 2 epochs of 4 steps (8, 8, 8, 5 blocks)
+    assert [len(s) for s in reference] == [8, 8, 8, 5] * 2
+    assert reference == rows_seen(blocks, 8, mb=2, acc=4, world=1)
+    assert reference == rows_seen(blocks, 8, mb=1, acc=4, world=2)
+    assert reference == rows_seen(blocks, 8, mb=4, acc=1, world=2)
+    epoch0 = sorted(sum(reference[:4], []))
+    assert epoch0 == sorted(int(b[0]) for b in blocks)  # every block once per epoch
+    assert reference[:4] != reference[4:]  # a new permutation each epoch
+
+
+def test_loader_masks_padding_and_resumes_from_its_state() -> None:
+    blocks = uneven_blocks(29, 5)
+    loader = BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=1)
+    for _ in range(3):
+        loader.next_step()
+    state = loader.state_dict()
+    after = [loader.next_step() for _ in range(3)]
+    again = BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=1)
+    again.load_state_dict(state)
+    for a, b in zip(after, (again.next_step() for _ in range(3)), strict=True):
+        for (xa, ya), (xb, yb) in zip(a.micro_batches, b.micro_batches, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # The last step of epoch 0 (step 4) holds 5 blocks: 3 micro-batches, the last topped up with an empty row.
+    last = after[0]
+    assert last.n_blocks == 5 and len(last.micro_batches) == 3
+    _, targets = last.micro_batches[-1]
+    assert (targets[1] == IGNORE_INDEX).all()
+    all_targets = torch.cat([t for step in after for _, t in step.micro_batches])
+    assert not (all_targets == PAD).any()
+    # An epoch's targets are exactly the real (non-pad) tokens of every block.
+    loader = BlockLoader(blocks, pad_id=PAD, micro_batch_size=1, accumulate_steps=1, seed=1)
+    epoch = [loader.next_step() for _ in range(len(blocks))]
+    assert loader.position.epoch == 1 and loader.position.index == 0
+    assert count_targets([t for step in epoch for _, t in step.micro_batches]) == int((blocks[:, 1:] != PAD).sum())
+    assert all(not (x == IGNORE_INDEX).any() for step in epoch for x, _ in step.micro_batches)
+    with pytest.raises(ValueError, match="same dataset and seed"):
+        BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=2).load_state_dict(state)
+
+
+# ---------------------------------------------------------------- exact accumulation
+
+
+def step_grads(model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], per_micro_mean: bool) -> dict:
+    """Gradients of one step: our normalisation (sum / step tokens), or the classic bug (mean of micro-means)."""
+    model.zero_grad(set_to_none=True)
+    n_tokens = count_targets([t for _, t in micro])
+    for inputs, targets in micro:
+        loss_sum = token_loss_sum(model(inputs), targets)
+        micro_mean = loss_sum / (targets != IGNORE_INDEX).sum()
+        (micro_mean / len(micro) if per_micro_mean else loss_sum / n_tokens).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_accumulated_gradients_equal_one_big_batch_and_the_test_catches_per_micro_mean() -> None:
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny_config())
+    blocks = uneven_blocks(8, 11)
+    big = BlockLoader(blocks, pad_id=PAD, micro_batch_size=8, accumulate_steps=1, seed=0).next_step().micro_batches
+    small = BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=0).next_step().micro_batches
+    counts = [int((t != IGNORE_INDEX).sum()) for _, t in small]
+    assert len(set(counts)) > 1, "the micro-batches must hold different token counts for this test to bite"
+
+    reference = step_grads(model, big, per_micro_mean=False)
+    assert_state_close(step_grads(model, small, per_micro_mean=False), reference, rtol=1e-4, atol=1e-6)
+    with pytest.raises(AssertionError):
+        assert_state_close(step_grads(model, small, per_micro_mean=True), reference, rtol=1e-4, atol=1e-6)
+
+
+def test_training_with_accumulation_matches_one_big_micro_batch(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    # 2 epochs of 29 blocks with a global batch of 8: steps of 8, 8, 8 and 5 blocks, uneven padding.
+    split = train(model_ref, dataset, settings(tmp_path, "k_by_b", micro_batch_size=2, accumulate_steps=4), progress=False)
+    whole = train(model_ref, dataset, settings(tmp_path, "kb", micro_batch_size=8, accumulate_steps=1), progress=False)
+    assert split.step == whole.step == 8
+    assert split.tokens_seen == whole.tokens_seen == 2 * dataset.train_tokens
+    losses_split = [m["train/loss"] for _, m in sorted(read_metrics(split.run_dir).items())]
+    losses_whole = [m["train/loss"] for _, m in sorted(read_metrics(whole.run_dir).items())]
+    np.testing.assert_allclose(losses_split, losses_whole, rtol=1e-5)
+    assert_state_close(final_weights(split.path), final_weights(whole.path), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def closed_form_cosine(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / (total - warmup - 1)
+    return lr * min_ratio + (lr - lr * min_ratio) * (1 + math.cos(math.pi * t)) / 2
+
+
+@pytest.mark.parametrize(("mb", "acc", "expected_steps"), [(1, 1, 58), (2, 2, 16), (2, 4, 8), (4, 4, 4)])
+def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, mb: int, acc: int, expected_steps: int
+) -> None:
+    run = settings(tmp_path, micro_batch_size=mb, accumulate_steps=acc, warmup_steps=2, min_lr_ratio=0.1)
+    ref = train(model_ref, dataset, run, progress=False)
+    logged = read_metrics(ref.run_dir)
+    assert sorted(logged) == list(range(1, expected_steps + 1))  # ceil(29 / (mb*acc)) steps per epoch, 2 epochs
+    for step, metrics in logged.items():
+        assert metrics["train/lr"] == pytest.approx(closed_form_cosine(step - 1, 3e-3, 2, expected_steps, 0.1), rel=1e-12)
+    assert logged[expected_steps]["train/lr"] == pytest.approx(3e-4)
+
+
+def test_wsd_schedule_and_max_steps() -> None:
+    lrs = [lr_at(s, lr=1.0, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+           for s in range(20)]  # fmt: skip
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert lrs[5:17] == [1.0] * 12  # stable
+    assert lrs[17:] == pytest.approx([2 / 3, 1 / 3, 0.0])  # 3 decay steps (20% of 15) down to min_lr
+
+
+# ---------------------------------------------------------------- health, checkpoints, input checks
+
+
+def test_nan_stops_with_the_step_named_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "nan_at_step=3")
+    run = settings(tmp_path, checkpoint_every=2)
+    with pytest.raises(TrainingError, match=r"at step 3\b.*last good checkpoint: .*step_000002"):
+        train(model_ref, dataset, run, progress=False)
+    kept = checkpoint_dirs(Path(run.checkpoint_dir))
+    assert [step for step, _ in kept] == [2]
+    assert checkpoint_problem(kept[0][1]) is None
+    assert sorted(read_metrics(run.checkpoint_dir)) == [1, 2]  # nothing logged for the failed step
+
+
+def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    run = settings(tmp_path, checkpoint_every=2, keep_checkpoints=3)
+    first = train(model_ref, dataset, run, progress=False)
+    losses = {s: m["train/loss"] for s, m in read_metrics(run.checkpoint_dir).items()}
+    assert [s for s, _ in checkpoint_dirs(Path(run.checkpoint_dir))] == [4, 6, 8]
+
+    finished = train(model_ref, dataset, run, progress=False)  # already done: returns without training
+    assert finished == first
+
+    weights = Path(first.path) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.warns(RuntimeWarning, match=r"skipping checkpoint .*step_000008: model.safetensors does not match"):
+        resumed = train(model_ref, dataset, run, progress=False)
+    assert resumed.step == 8
+    again = {s: m["train/loss"] for s, m in read_metrics(run.checkpoint_dir).items()}
+    assert again == losses  # steps 7 and 8 retrained from step 6: bit-identical losses
+    assert_state_close(final_weights(resumed.path), final_weights(first.path), rtol=0, atol=0)
+
+
+def test_resume_with_settings_that_change_the_data_order_is_refused(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    train(model_ref, dataset, settings(tmp_path, max_steps=2), progress=False)
+    with pytest.raises(TrainingError, match="micro_batch_size"):
+        train(model_ref, dataset, settings(tmp_path, max_steps=2, micro_batch_size=4, accumulate_steps=2), progress=False)
+
+
+def test_bad_inputs_fail_before_training(tmp_path: Path, dataset: DatasetRef) -> None:
+    small_vocab = write_model_ref(tmp_path / "m", get_preset("tiny", vocab_size=32, max_position_embeddings=SEQ))
+    with pytest.raises(TrainingError, match="vocab_size 96 exceeds the model's vocab_size 32"):
+        train(small_vocab, dataset, settings(tmp_path), progress=False)
+    short = write_model_ref(tmp_path / "m2", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=8))
+    with pytest.raises(TrainingError, match="max_position_embeddings"):
+        train(short, dataset, settings(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        TrainSettings(micro_batch_size=0, checkpoint_dir=str(tmp_path))
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_load_into_a_fresh_model(tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef) -> None:
+    ref = train(model_ref, dataset, settings(tmp_path, max_steps=3), progress=False)
+    model = LlamaForPretraining(tiny_config())
+    load_weights(model, Path(ref.path) / "model.safetensors")
+    assert ref.step == 3 and ref.metrics["train_loss"] > 0
+    assert {"tokens_per_s", "compile_time_s", "mfu", "recompiles"} <= ref.metrics.keys()
+    shutil.rmtree(ref.run_dir)
