@@ -1,16 +1,84 @@
-"""Where the train task runs: in this flow run (default), or as a separate deployment on the GPU pool."""
+"""Where the train task runs: in this flow run (default), or as a separate deployment on the GPU pool.
+
+`placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the `train`
+flow (flows/train_remote.py) through `run_deployment`. Only references cross: paths on storage both
+machines read at the same path, the MLflow run id and tracking URI. Both sides must therefore share
+LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md explains the set-up.
+"""
 
 from __future__ import annotations
 
 from flows.config import PretrainConfig
+from flows.train_remote import read_result
+from tasks import settings as project_settings
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
+
+
+class PlacementError(RuntimeError):
+    """The training deployment cannot be used."""
+
+
+def check_placement(config: PretrainConfig) -> None:
+    """Fail before the data stages when `placement="deployment"` names a deployment the API lacks."""
+    if config.placement != "deployment":
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(config.train_deployment)
+        except ObjectNotFound as err:
+            raise PlacementError(
+                f"placement='deployment' but deployment {config.train_deployment!r} does not exist on the "
+                f"Prefect API {client.api_url}: deploy it (`prefect --no-prompt deploy --name gpu` in the "
+                "project directory) and point PREFECT_API_URL at that server, or use placement='local'"
+            ) from err
 
 
 def run_training(
     config: PretrainConfig, model: ModelRef, dataset: DatasetRef, checkpoint_dir: str, run_id: str
 ) -> CheckpointRef:
     """Train where `config.placement` says; a retry resumes from the newest checkpoint in `checkpoint_dir`."""
-    return train_task.with_options(retries=config.train_retries)(
-        model, dataset, config.train_settings(checkpoint_dir), run_id=run_id
+    train_settings = config.train_settings(checkpoint_dir)
+    if config.placement == "local":
+        return train_task.with_options(retries=config.train_retries)(
+            model, dataset, train_settings, run_id=run_id
+        )
+    return train_on_deployment(
+        config.train_deployment, model, dataset, train_settings, run_id=run_id, retries=config.train_retries
     )
+
+
+def train_on_deployment(
+    deployment: str,
+    model: ModelRef,
+    dataset: DatasetRef,
+    train_settings: dict,
+    *,
+    run_id: str | None,
+    retries: int,
+    timeout_s: float | None = None,
+) -> CheckpointRef:
+    """Run deployment `deployment` (FLOW/NAME of the `train` flow), wait for it, return its CheckpointRef."""
+    from prefect.deployments import run_deployment
+
+    parameters = {
+        "model": model.model_dump(mode="json"),
+        "dataset": dataset.model_dump(mode="json"),
+        "settings": train_settings,
+        "run_id": run_id,
+        "tracking_uri": project_settings.tracking_uri(),
+        "retries": retries,
+    }
+    # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
+    flow_run = run_deployment(deployment, parameters=parameters, timeout=timeout_s, as_subflow=True)
+    state = flow_run.state
+    if state is None or not state.is_completed():
+        name = state.name if state is not None else "unknown"
+        raise PlacementError(
+            f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) ended {name}: "
+            f"{state.message if state is not None else ''} (see that run's logs)"
+        )
+    return read_result(train_settings["checkpoint_dir"], str(flow_run.id))

@@ -1,0 +1,96 @@
+"""The `train` flow: training alone, deployed on the GPU pool for split placement.
+
+The `pretrain` flow (with `placement="deployment"`) prepares data where it runs, then starts this flow
+through `run_deployment`, passing only references (paths on storage both sides can read) and the
+MLflow run id. The CheckpointRef travels back as a small JSON file in the checkpoint directory, so the
+parent needs no shared Prefect result storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+
+from tasks import tracking
+from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.train import train_task
+
+RESULT_FILE = "train-result.json"
+
+
+class SharedStorageError(RuntimeError):
+    """The train flow cannot see what the pretrain flow prepared."""
+
+
+def write_result(checkpoint: CheckpointRef, checkpoint_dir: str | Path, flow_run_id: str) -> Path:
+    """Write the CheckpointRef beside the checkpoints, atomically (a reader never sees half a file)."""
+    target = Path(checkpoint_dir) / RESULT_FILE
+    partial = target.with_name(f".{RESULT_FILE}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"flow_run_id": flow_run_id, "checkpoint": checkpoint.model_dump(mode="json")}))
+    os.replace(partial, target)
+    return target
+
+
+def read_result(checkpoint_dir: str | Path, flow_run_id: str) -> CheckpointRef:
+    """The CheckpointRef written by train flow run `flow_run_id`; a clear error if it is missing or stale."""
+    source = Path(checkpoint_dir) / RESULT_FILE
+    if not source.is_file():
+        raise SharedStorageError(
+            f"the train flow run {flow_run_id} completed but {source} does not exist here: the worker "
+            "must write checkpoints to storage this flow can read (same LLAMAFLOW_HOME / checkpoint_dir "
+            "path on a shared filesystem)"
+        )
+    payload = json.loads(source.read_text())
+    if payload.get("flow_run_id") != flow_run_id:
+        raise SharedStorageError(
+            f"{source} was written by flow run {payload.get('flow_run_id')}, not by {flow_run_id}: "
+            "two runs share one checkpoint_dir; give each run its own"
+        )
+    return CheckpointRef.model_validate(payload["checkpoint"])
+
+
+def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, tracking_uri: str | None) -> None:
+    """Fail in seconds, before any compile, when this machine cannot see the parent's inputs."""
+    missing = [p for p in (Path(model.path), Path(dataset.path)) if not p.exists()]
+    if missing:
+        raise SharedStorageError(
+            f"{', '.join(map(str, missing))} not found on this worker: the pretrain flow and the train "
+            "deployment must share storage at the same path (set LLAMAFLOW_HOME to a shared mount on both)"
+        )
+    if run_id is not None:
+        try:
+            tracking.run_status(run_id, tracking_uri)
+        except Exception as err:  # MLflow raises its own exception types per store
+            raise SharedStorageError(
+                f"MLflow run {run_id} is not in the tracking store {tracking_uri}: the worker must reach "
+                f"the pretrain flow's store (an MLflow server both can reach; MLFLOW_TRACKING_URI): {err}"
+            ) from err
+
+
+@flow(name="train", log_prints=True, validate_parameters=True)
+def train(
+    model: ModelRef,
+    dataset: DatasetRef,
+    settings: dict[str, Any],
+    run_id: str | None = None,
+    tracking_uri: str | None = None,
+    retries: int = 1,
+) -> CheckpointRef:
+    """Train `model` on `dataset` (TrainSettings fields in `settings`); retries resume from the newest checkpoint."""
+    if "checkpoint_dir" not in settings:
+        raise ValueError("settings must name a checkpoint_dir both flows can read; the pretrain flow sets it")
+    if tracking_uri:
+        # Metrics go to the store the parent opened the run in, whatever this worker's default is.
+        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    _check_inputs(model, dataset, run_id, tracking_uri)
+    checkpoint = train_task.with_options(retries=retries)(model, dataset, settings, run_id=run_id)
+    ctx = FlowRunContext.get()
+    flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
+    where = write_result(checkpoint, settings["checkpoint_dir"], flow_run_id)
+    get_run_logger().info(f"checkpoint of step {checkpoint.step} at {checkpoint.path}; reference in {where}")
+    return checkpoint

@@ -1,0 +1,171 @@
+"""A real Prefect server and process worker for end-to-end tests, started and stopped cleanly.
+
+The process worker starts every flow run in its own session (STACK.md), so killing the worker's
+process group leaves the flow runs alive. `stop_process_tree` therefore collects every descendant
+first, then ends each one's process group, then the root's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from uuid import UUID
+
+PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid → child pids, read from /proc (no psutil in the environment)."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses; fields after the last ')' are fixed.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    tree, found, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(os.getpgid(pid), sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM `proc`, its descendants and their process groups; SIGKILL whatever is left after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    pids = [*descendants(proc.pid), proc.pid]
+    for pid in pids:
+        _signal_group(pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    deadline = time.monotonic() + 2.0
+    for pid in pids:
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.1)
+        _signal_group(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def start(args: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Start a long-running command in its own session, output appended to `log`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            args, env=dict(env), cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_healthy(api_url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}:\n{tail(log)}")
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(f"{api_url}/health", timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s:\n{tail(log)}")
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
+def prefect(args: list[str], env: Mapping[str, str], cwd: Path, timeout_s: float = 180.0) -> str:
+    """Run one `prefect` CLI command to completion; its output, or an error that shows it."""
+    done = subprocess.run(
+        [PREFECT_CLI, *args], env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout_s
+    )
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"prefect {' '.join(args)} failed ({done.returncode}):\n{output[-4000:]}")
+    return output
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[str, dict[str, str]]]:
+    """A `prefect server` on a free port with its own PREFECT_HOME; yields (api_url, client env)."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **base_env,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLI_PROMPT": "false",
+    }
+    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    log = home / "server.log"
+    proc = start(
+        [PREFECT_CLI, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
+        server_env, home, log,
+    )  # fmt: skip
+    try:
+        wait_healthy(api_url, proc, log)
+        yield api_url, env
+    finally:
+        stop_process_tree(proc)
+
+
+@contextlib.contextmanager
+def prefect_worker(pool: str, env: Mapping[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`prefect worker start --pool POOL`; stops it and every flow-run process it started."""
+    proc = start([PREFECT_CLI, "worker", "start", "--pool", pool], env, cwd, log)
+    try:
+        yield proc
+    finally:
+        stop_process_tree(proc)
+
+
+def wait_for_flow_run(flow_run_id: UUID, timeout_s: float, worker_log: Path | None = None):  # noqa: ANN201
+    """Poll the API until the flow run reaches a final state; returns the FlowRun."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.type.value in FINAL_STATES:
+                return run
+            if time.monotonic() > deadline:
+                state = run.state.name if run.state else None
+                logs = tail(worker_log) if worker_log else ""
+                raise TimeoutError(f"flow run {flow_run_id} still {state} after {timeout_s:.0f} s\n{logs}")
+            time.sleep(1.0)
