@@ -39,11 +39,15 @@ def is_complete(final: Path) -> bool:
     return (final / COMPLETE_MARKER).is_file()
 
 
-def prefect_results_dir() -> Path:
-    """Where the Prefect tasks of the data stages persist their (small, JSON) results."""
+def _prefect_results_dir() -> Path:
     from tasks import settings
 
     return settings.cache_dir() / "prefect-results"
+
+
+# Where the data stages' Prefect tasks persist their (small, JSON) results. Read once at import:
+# Prefect takes a task's result storage at definition, as a path or a server-side saved block.
+PREFECT_RESULTS_DIR = _prefect_results_dir()
 
 
 def prefect_cache_key(task_name: str, fingerprint: str, output: Path) -> str:
@@ -54,5 +58,5 @@ def prefect_cache_key(task_name: str, fingerprint: str, output: Path) -> str:
     """
     key = f"{task_name}-{fingerprint}"
     if not is_complete(output):
-        (prefect_results_dir() / key).unlink(missing_ok=True)
+        (PREFECT_RESULTS_DIR / key).unlink(missing_ok=True)
     return key

@@ -30,7 +30,7 @@ from prefect.context import TaskRunContext
 
 from tasks import settings
 from tasks.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
-from tasks.data_cache import is_complete, prefect_cache_key, prefect_results_dir, publish, staging_dir
+from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
 from tasks.refs import DatasetRef, TokenizerRef
 
 FORMAT_VERSION = "packed-v1"
@@ -98,7 +98,9 @@ def _token_chunks(split: CorpusSplit, tokenizer: TokenizerRef, *, add_bos: bool,
     if streaming:
         mapped = docs.map(_encode_batch, **common)
     else:
-        mapped = docs.map(_encode_batch, num_proc=num_proc if num_proc > 1 else None, desc=f"tokenize {split.name}",
+        # More processes than map batches would only add start-up time.
+        workers = min(num_proc, -(-len(docs) // MAP_BATCH_SIZE))
+        mapped = docs.map(_encode_batch, num_proc=workers if workers > 1 else None, desc=f"tokenize {split.name}",
                           new_fingerprint=blake(split.fingerprint, tokenizer.fingerprint, str(add_bos), dtype.name),
                           **common)
     for table in mapped.with_format("arrow").iter(batch_size=16):
@@ -276,6 +278,6 @@ build_dataset_task = task(
     name="build_dataset",
     cache_key_fn=_dataset_cache_key,
     persist_result=True,
-    result_storage=prefect_results_dir(),
+    result_storage=PREFECT_RESULTS_DIR,
     result_serializer="json",
 )

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tasks import settings
 from tasks.corpus import DataError, DataSpec, blake, resolve_corpus
-from tasks.data_cache import is_complete, prefect_cache_key, prefect_results_dir, publish, staging_dir
+from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"
@@ -177,6 +177,6 @@ train_tokenizer_task = task(
     name="train_tokenizer",
     cache_key_fn=_tokenizer_cache_key,
     persist_result=True,
-    result_storage=prefect_results_dir(),
+    result_storage=PREFECT_RESULTS_DIR,
     result_serializer="json",
 )

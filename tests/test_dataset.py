@@ -1,0 +1,261 @@
+"""Packed datasets (tasks/dataset.py): layout, packing, cache, races, bad input, Prefect caching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prefect import flow
+from prefect.testing.utilities import prefect_test_harness
+from tokenizers import Tokenizer
+
+from tasks.corpus import DataError, resolve_corpus
+from tasks.data_cache import PREFECT_RESULTS_DIR, publish, staging_dir
+from tasks.dataset import build_dataset, build_dataset_task
+from tasks.refs import DatasetRef, TokenizerRef
+from tasks.settings import PROJECT_ROOT
+from tasks.tokenize import train_tokenizer, train_tokenizer_task
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "keyword.py", "glob.py",
+           "colorsys.py", "heapq.py", "copy.py"]
+SEQ_LEN = 32
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _corpus(root: Path, names: list[str] = MODULES) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (root / name).write_bytes((STDLIB / name).read_bytes())
+    return root
+
+
+@pytest.fixture()
+def corpus_dir(tmp_path: Path) -> Path:
+    return _corpus(tmp_path / "corpus")
+
+
+@pytest.fixture()
+def tokenizer(home: Path, corpus_dir: Path) -> TokenizerRef:
+    return train_tokenizer(str(corpus_dir), 384, val_fraction=0.2)
+
+
+def _stream(texts, tokenizer: TokenizerRef, add_bos: bool = False) -> np.ndarray:
+    """The expected token stream, computed without the datasets machinery."""
+    tok = Tokenizer.from_file(tokenizer.path)
+    ids: list[int] = []
+    for text in texts:
+        ids += ([tokenizer.bos_id] if add_bos else []) + tok.encode(text, add_special_tokens=False).ids
+        ids.append(tokenizer.eos_id)
+    return np.asarray(ids)
+
+
+def _arrays(ref: DatasetRef) -> tuple[np.ndarray, np.ndarray]:
+    return (np.load(Path(ref.path) / "train.npy", mmap_mode="r", allow_pickle=False),
+            np.load(Path(ref.path) / "val.npy", mmap_mode="r", allow_pickle=False))
+
+
+def test_blocks_concatenate_back_to_the_token_stream(home: Path, corpus_dir: Path, tokenizer: TokenizerRef) -> None:
+    ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, num_proc=2)
+    directory = Path(ref.path)
+    assert directory.parent == home / "cache" / "datasets" and directory.name == ref.fingerprint
+    train, val = _arrays(ref)
+    assert train.dtype == np.uint16 and val.dtype == np.uint16
+    assert train.shape == (ref.train_blocks, SEQ_LEN + 1) and val.shape == (ref.val_blocks, SEQ_LEN + 1)
+    corpus = resolve_corpus(str(corpus_dir), val_fraction=0.2)
+    for array, split in ((train, corpus.train), (val, corpus.val)):
+        stream = _stream(split.texts(), tokenizer)
+        assert array.size == (len(stream) // (SEQ_LEN + 1)) * (SEQ_LEN + 1)  # remainder dropped
+        np.testing.assert_array_equal(array.reshape(-1), stream[: array.size])
+        assert tokenizer.pad_id not in array
+    assert ref.train_tokens == train.size and ref.val_tokens == val.size
+
+    meta = json.loads((directory / "meta.json").read_text())
+    assert {k: meta[k] for k in ("seq_len", "vocab_size", "bos_id", "eos_id", "pad_id", "dtype")} == {
+        "seq_len": SEQ_LEN, "vocab_size": 384, "bos_id": 0, "eos_id": 1, "pad_id": 2, "dtype": "uint16"}
+    assert (meta["train_blocks"], meta["val_blocks"]) == (ref.train_blocks, ref.val_blocks)
+    assert meta["stats"]["documents"] == len(MODULES) == ref.stats["documents"]
+    assert 1.0 < ref.stats["bytes_per_token"] < 4.0
+    assert ref.stats["blocks"] == ref.train_blocks + ref.val_blocks and ref.stats["seconds"] > 0
+    assert (directory / "tokenizer.json").read_bytes() == Path(tokenizer.path).read_bytes()
+
+
+def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(home: Path, corpus_dir: Path,
+                                                                    tokenizer: TokenizerRef) -> None:
+    ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, keep_remainder=True, add_bos=True)
+    train, _ = _arrays(ref)
+    stream = _stream(resolve_corpus(str(corpus_dir), val_fraction=0.2).train.texts(), tokenizer, add_bos=True)
+    remainder = len(stream) % (SEQ_LEN + 1)
+    assert remainder >= 2  # this corpus leaves a real tail; the test would be vacuous otherwise
+    assert train.shape[0] == len(stream) // (SEQ_LEN + 1) + 1
+    np.testing.assert_array_equal(train.reshape(-1)[: len(stream)], stream)
+    assert (train[-1, remainder:] == tokenizer.pad_id).all()
+    assert ref.train_tokens == len(stream)
+    assert train[0, 0] == tokenizer.bos_id
+    assert int((train == tokenizer.bos_id).sum()) == int((train == tokenizer.eos_id).sum())
+
+
+def test_second_call_does_no_work_and_a_content_change_rebuilds(home: Path, corpus_dir: Path,
+                                                                tokenizer: TokenizerRef) -> None:
+    first = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
+    stamps = {p.name: p.stat().st_mtime_ns for p in Path(first.path).iterdir()}
+    assert build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2) == first
+    assert {p.name: p.stat().st_mtime_ns for p in Path(first.path).iterdir()} == stamps
+    assert len(list((home / "cache" / "datasets").iterdir())) == 1  # no staging leftovers
+
+    other_len = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN * 2, val_fraction=0.2)
+    assert other_len.fingerprint != first.fingerprint
+
+    val_file = resolve_corpus(str(corpus_dir), val_fraction=0.2).val.parts[0].file.path
+    Path(val_file).write_text(Path(val_file).read_text() + "\nextra = 'validation text'\n")
+    rebuilt = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
+    assert rebuilt.fingerprint != first.fingerprint
+    assert rebuilt.stats["val_stream_tokens"] > first.stats["val_stream_tokens"]
+    assert rebuilt.stats["train_stream_tokens"] == first.stats["train_stream_tokens"]
+
+
+def test_streaming_and_process_count_give_identical_arrays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           corpus_dir: Path, tokenizer: TokenizerRef) -> None:
+    results = []
+    for i, options in enumerate(({"num_proc": 1}, {"num_proc": 2}, {"streaming": True})):
+        monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / f"home{i}"))
+        ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, **options)
+        results.append((ref, *_arrays(ref)))
+    for ref, train, val in results[1:]:
+        np.testing.assert_array_equal(train, results[0][1])
+        np.testing.assert_array_equal(val, results[0][2])
+        assert ref.fingerprint == results[0][0].fingerprint
+
+
+def test_jsonl_records_pack_with_eos_between_documents(home: Path, tmp_path: Path,
+                                                       tokenizer: TokenizerRef) -> None:
+    lines = (STDLIB / "this.py").read_text().splitlines()
+    rows = [{"body": line} for line in lines * 8 if line]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = build_dataset(str(path), tokenizer, 16, text_field="body", val_fraction=0.3, keep_remainder=True)
+    assert ref.stats["documents"] == len(rows)
+    train, val = _arrays(ref)
+    real = int((train != tokenizer.pad_id).sum() + (val != tokenizer.pad_id).sum())
+    assert int((train == tokenizer.eos_id).sum() + (val == tokenizer.eos_id).sum()) == len(rows)
+    assert real == ref.train_tokens + ref.val_tokens
+
+
+_RACER = """
+import sys
+from tasks.dataset import build_dataset
+from tasks.refs import TokenizerRef
+ref = build_dataset(sys.argv[1], TokenizerRef.model_validate_json(sys.argv[2]), int(sys.argv[3]),
+                    val_fraction=0.2, num_proc=1)
+print(ref.model_dump_json())
+"""
+
+
+def test_two_processes_racing_for_one_key_leave_one_valid_dataset(home: Path, tmp_path: Path, corpus_dir: Path,
+                                                                  tokenizer: TokenizerRef) -> None:
+    racers = []
+    for i in range(2):
+        env = {**os.environ, "LLAMAFLOW_HOME": str(home), "HF_DATASETS_CACHE": str(tmp_path / f"hf{i}")}
+        racers.append(subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(corpus_dir), tokenizer.model_dump_json(), str(SEQ_LEN)],
+            cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [racer.communicate(timeout=120) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err[-2000:] for _, err in outputs]
+    refs = [DatasetRef.model_validate_json(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert refs[0] == refs[1]
+    assert [p.name for p in (home / "cache" / "datasets").iterdir()] == [refs[0].fingerprint]
+    assert build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2) == refs[0]
+    train, _ = _arrays(refs[0])
+    stream = _stream(resolve_corpus(str(corpus_dir), val_fraction=0.2).train.texts(), tokenizer)
+    np.testing.assert_array_equal(train.reshape(-1), stream[: train.size])
+
+
+def test_publish_lets_the_first_rename_win(tmp_path: Path) -> None:
+    final = tmp_path / "cache" / "key"
+    mine, theirs = staging_dir(final), staging_dir(final)
+    (theirs / "meta.json").write_text("{}")
+    (mine / "meta.json").write_text('{"late": true}')
+    assert publish(theirs, final) is True
+    assert publish(mine, final) is False
+    assert not mine.exists() and (final / "meta.json").read_text() == "{}"
+
+
+def test_bad_inputs_fail_before_tokenizing(home: Path, tmp_path: Path, corpus_dir: Path,
+                                           tokenizer: TokenizerRef) -> None:
+    with pytest.raises(DataError, match=r"seq_len=1 is too small"):
+        build_dataset(str(corpus_dir), tokenizer, 1)
+    with pytest.raises(DataError, match=r"num_proc=0"):
+        build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, num_proc=0)
+    missing = tokenizer.model_copy(update={"path": str(tmp_path / "gone" / "tokenizer.json")})
+    with pytest.raises(DataError, match=r"Tokenizer file .* is missing"):
+        build_dataset(str(corpus_dir), missing, SEQ_LEN)
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.txt").write_text("just a few words of training text\n" * 40)
+    (small / "b.txt").write_text("tiny\n")
+    with pytest.raises(DataError, match=r"validation split has at most 6 tokens.*seq_len \+ 1 = 33.*smaller seq_len"):
+        build_dataset(str(small), tokenizer, SEQ_LEN, val_data=str(small / "b.txt"))
+    with pytest.raises(DataError, match=r"train split has at most \d+ tokens.*seq_len \+ 1 = 4097"):
+        build_dataset(str(small / "a.txt"), tokenizer, 4096, val_data=str(corpus_dir))
+    assert not (home / "cache" / "datasets").exists()
+
+
+def test_too_few_tokens_after_tokenizing_names_the_count(home: Path, tmp_path: Path,
+                                                         tokenizer: TokenizerRef) -> None:
+    # 29 bytes pass the byte bound (30 tokens at most >= 21), but common keywords encode to fewer.
+    (tmp_path / "val.txt").write_text("def return self import class ")
+    with pytest.raises(DataError, match=r"validation split has \d+ tokens, fewer than one block.*= 21"):
+        build_dataset(str(STDLIB / "textwrap.py"), tokenizer, 20, val_data=str(tmp_path / "val.txt"))
+    assert [p.name for p in (home / "cache" / "datasets").iterdir()] == []  # staging removed
+
+
+# ------------------------------------------------------------------------------------------- Prefect
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=None):
+        yield
+
+
+@flow
+def _data_flow(data: str) -> list:
+    tokenizer_state = train_tokenizer_task(data, 384, val_fraction=0.2, return_state=True)
+    tokenizer = tokenizer_state.result()
+    dataset_state = build_dataset_task(data, tokenizer, SEQ_LEN, val_fraction=0.2, return_state=True)
+    return [tokenizer_state.name, dataset_state.name, tokenizer, dataset_state.result()]
+
+
+def test_prefect_tasks_are_cached_on_the_content_fingerprint(prefect_api, home: Path, corpus_dir: Path) -> None:
+    first = _data_flow(str(corpus_dir))
+    assert first[:2] == ["Completed", "Completed"]
+    assert isinstance(first[2], TokenizerRef) and isinstance(first[3], DatasetRef)
+    assert any(PREFECT_RESULTS_DIR.glob(f"build_dataset-{first[3].fingerprint}*"))
+
+    second = _data_flow(str(corpus_dir))
+    assert second[:2] == ["Cached", "Cached"]
+    assert second[2:] == first[2:]
+
+    # A cleared dataset cache must not be served as a dangling cached path: it rebuilds.
+    import shutil
+
+    shutil.rmtree(first[3].path)
+    third = _data_flow(str(corpus_dir))
+    assert third[:2] == ["Cached", "Completed"]
+    assert Path(third[3].path, "train.npy").is_file()
+
+    extra = corpus_dir / "extra.py"
+    extra.write_text((STDLIB / "this.py").read_text())
+    fourth = _data_flow(str(corpus_dir))
+    assert fourth[1] == "Completed" and fourth[3].fingerprint != first[3].fingerprint
