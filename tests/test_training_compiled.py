@@ -1,0 +1,147 @@
+"""Compiled bf16 training: agrees with eager, never recompiles, and resumes bit for bit after `kill -9`.
+
+One in-process compiled run is the reference for every assertion here; the killed and resumed runs are
+real subprocesses (`python -m tasks.training.worker`), sharing the inductor cache with this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import get_preset
+from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.settings import PROJECT_ROOT
+from tasks.training import TrainSettings, read_metrics, train
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.faults import ENV_VAR
+from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
+from tasks.training.launch import write_worker_spec
+
+VOCAB = 96
+SEQ = 16
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRef, DatasetRef]:
+    blocks = pattern_blocks(29, SEQ, VOCAB, 0)
+    rng = np.random.default_rng(1)
+    for row in range(0, 29, 3):
+        blocks[row, rng.integers(2, SEQ) :] = PAD
+    dataset = write_packed_dataset(
+        tmp_path_factory.mktemp("packed"), blocks, pattern_blocks(4, SEQ, VOCAB, 2), vocab_size=VOCAB
+    )
+    model = write_model_ref(
+        tmp_path_factory.mktemp("model"), get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    )
+    return model, dataset
+
+
+def run_settings(checkpoint_dir: Path, **overrides: object) -> TrainSettings:
+    # Global batch 6 over 29 blocks: steps of 6, 6, 6, 6, 5 blocks; the last one has 2 micro-batches,
+    # the second topped up with an empty row, so the compiled shapes never change.
+    base: dict[str, object] = dict(
+        micro_batch_size=3, accumulate_steps=2, epochs=2.0, lr=3e-3, warmup_steps=2, compile=True, dtype="bf16",
+        checkpoint_dir=str(checkpoint_dir), checkpoint_every=2, keep_checkpoints=2,
+    )  # fmt: skip
+    base.update(overrides)
+    return TrainSettings(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def compiled_run(refs: tuple[ModelRef, DatasetRef], tmp_path_factory: pytest.TempPathFactory) -> CheckpointRef:
+    model, dataset = refs
+    return train(model, dataset, run_settings(tmp_path_factory.mktemp("compiled") / "run"), progress=False)
+
+
+def losses(run_dir: str | Path) -> dict[int, float]:
+    return {step: m["train/loss"] for step, m in read_metrics(run_dir).items()}
+
+
+def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
+    refs: tuple[ModelRef, DatasetRef], compiled_run: CheckpointRef, tmp_path: Path
+) -> None:
+    model, dataset = refs
+    eager = train(model, dataset, run_settings(tmp_path / "eager", compile=False), progress=False)
+    compiled_losses, eager_losses = losses(compiled_run.run_dir), losses(eager.run_dir)
+    assert sorted(compiled_losses) == list(range(1, 11))
+    np.testing.assert_allclose(
+        [compiled_losses[s] for s in range(1, 11)], [eager_losses[s] for s in range(1, 11)], rtol=2e-2
+    )
+    assert compiled_losses[10] < compiled_losses[1] - 0.3  # it learns
+
+    logged = read_metrics(compiled_run.run_dir)
+    assert all(m["train/recompiles"] == 0 for m in logged.values())
+    assert compiled_run.metrics["recompiles"] == 0
+    assert [s for s, m in logged.items() if "train/compile_time_s" in m] == [1]
+    # The first step pays for compilation; steady steps of this tiny model take milliseconds.
+    assert compiled_run.metrics["compile_time_s"] > 5 * np.median([m["train/step_time_s"] for m in logged.values()])
+    assert compiled_run.metrics["tokens_per_s"] > 0 and 0 < compiled_run.metrics["mfu"] < 1
+
+
+def run_worker(settings: TrainSettings, refs: tuple[ModelRef, DatasetRef], fault: str = "") -> subprocess.Popen:
+    spec = write_worker_spec(refs[0], refs[1], settings)
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    env[ENV_VAR] = fault
+    return subprocess.Popen(
+        [sys.executable, "-m", "tasks.training.worker", str(spec)], cwd=PROJECT_ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def test_kill_9_at_any_moment_then_resume_reproduces_every_loss_bit_for_bit(
+    refs: tuple[ModelRef, DatasetRef], compiled_run: CheckpointRef, tmp_path: Path
+) -> None:
+    settings = run_settings(tmp_path / "killed")
+    run_dir = Path(settings.checkpoint_dir)
+
+    code, output = finish(run_worker(settings, refs, "kill_at_step=5"))
+    assert code == -signal.SIGKILL, output
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [2, 4]
+    assert max(read_metrics(run_dir)) == 5  # step 5 ran but was never checkpointed
+
+    code, output = finish(run_worker(settings, refs, "kill_in_checkpoint=8"))
+    assert code == -signal.SIGKILL, output
+    assert "resuming from checkpoint" in output and "step_000004 at step 4/10" in output
+    assert list(run_dir.glob(".tmp-step_000008-*")), "the kill should have left a half-written checkpoint"
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [4, 6]
+
+    code, output = finish(run_worker(settings, refs))
+    assert code == 0, output
+    assert "step_000006 at step 6/10" in output
+    assert not list(run_dir.glob(".tmp-*"))
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [8, 10]
+    assert all(checkpoint_problem(path) is None for _, path in checkpoint_dirs(run_dir))
+
+    assert losses(run_dir) == losses(compiled_run.run_dir)  # exact float equality, every step
+    final = torch.load(run_dir / "step_000010" / "trainer_state.pt", weights_only=True)
+    assert final["tokens_seen"] == compiled_run.tokens_seen
+
+
+def test_sigterm_stops_after_a_checkpoint(refs: tuple[ModelRef, DatasetRef], tmp_path: Path) -> None:
+    settings = run_settings(tmp_path / "term", epochs=400.0, checkpoint_every=1000, compile=False)
+    process = run_worker(settings, refs)
+    metrics_file = Path(settings.checkpoint_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics_file.exists() and metrics_file.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    code, output = finish(process, timeout=60)
+    assert code != 0 and "TrainingInterrupted" in output and "SIGTERM" in output, output
+    [(step, path)] = checkpoint_dirs(Path(settings.checkpoint_dir))
+    assert 1 <= step < 2000 and checkpoint_problem(path) is None
+    assert max(read_metrics(settings.checkpoint_dir)) == step
