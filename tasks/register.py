@@ -1,0 +1,239 @@
+"""register: log a checkpoint as an MLflow pyfunc, register it, and promote it only if it is better.
+
+"Better" is judged on the same validation data: when the champion was scored on a dataset with our
+fingerprint its recorded val_loss is compared; otherwise the champion's weights are evaluated on our
+val.npy first. The decision and both numbers are recorded on the new version. Aliases only, no stages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import safetensors
+import tokenizers
+import torch
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, infer_signature
+
+from tasks import tracking
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
+from tasks.settings import PROJECT_ROOT
+
+PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")
+MODEL_PACKAGE = PROJECT_ROOT / "model"
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+TAG_PROMOTED = "llamaflow.promoted"
+TAG_VAL_LOSS = "llamaflow.val_loss"
+TAG_CHAMPION_VAL_LOSS = "llamaflow.champion_val_loss"
+TAG_CHAMPION_VERSION = "llamaflow.champion_version"
+TAG_DATASET = "llamaflow.dataset_fingerprint"
+TAG_TOKENIZER = "llamaflow.tokenizer_fingerprint"
+TAG_COMPARISON = "llamaflow.comparison"
+
+
+def pip_requirements() -> list[str]:
+    # Written by hand: MLflow's detection takes seconds and pins the local `+cpu` torch build.
+    return [
+        f"mlflow=={mlflow.__version__}",
+        f"torch>={torch.__version__.split('+')[0]}",
+        f"tokenizers=={tokenizers.__version__}",
+        f"safetensors=={safetensors.__version__}",
+        "numpy",
+    ]
+
+
+def _check_inputs(checkpoint: CheckpointRef, tokenizer: TokenizerRef, dataset: DatasetRef, eval_result: EvalResult) -> dict[str, Any]:
+    ckpt = Path(checkpoint.path)
+    for name in (WEIGHTS, CONFIG):
+        if not (ckpt / name).is_file():
+            raise FileNotFoundError(
+                f"Checkpoint {ckpt} lacks {name}; register the final checkpoint directory written by training "
+                f"(it holds {WEIGHTS} of the unwrapped module and {CONFIG})."
+            )
+    if not Path(tokenizer.path).is_file():
+        raise FileNotFoundError(f"Tokenizer file {tokenizer.path} does not exist.")
+    if not (Path(dataset.path) / "val.npy").is_file():
+        raise FileNotFoundError(f"Dataset {dataset.path} has no val.npy; promotion needs the validation blocks.")
+    if not math.isfinite(eval_result.val_loss):
+        raise ValueError(f"eval_result.val_loss is {eval_result.val_loss}; a diverged model cannot be registered.")
+    config = json.loads((ckpt / CONFIG).read_text(encoding="utf-8"))
+    if int(config["vocab_size"]) < tokenizer.vocab_size:
+        raise ValueError(
+            f"Model vocab_size {config['vocab_size']} < tokenizer vocab_size {tokenizer.vocab_size}: "
+            "this checkpoint was not trained with this tokenizer."
+        )
+    return config
+
+
+def _current_champion(client: mlflow.MlflowClient, name: str, alias: str) -> ModelVersion | None:
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+
+
+def _log_pyfunc(
+    run_id: str,
+    checkpoint: CheckpointRef,
+    tokenizer: TokenizerRef,
+    model_name: str,
+    metadata: dict[str, Any],
+) -> str:
+    """Log the pyfunc under the run's experiment, register it, return the new version number."""
+    from tasks.mlflow_pyfunc import DEFAULT_PARAMS
+
+    client = tracking.get_client(mlflow.get_tracking_uri())
+    experiment_id = client.get_run(run_id).info.experiment_id
+    # Model.log with an explicit model_id puts the model in the run's experiment without touching the
+    # process-wide active run or experiment (Prefect tasks run in worker threads).
+    logged = client.create_logged_model(experiment_id=experiment_id, name="model", source_run_id=run_id)
+    example = ["def "]
+    info = Model.log(
+        artifact_path=None,
+        name="model",
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        model_id=logged.model_id,
+        registered_model_name=model_name,
+        python_model=str(PYFUNC_CODE),
+        artifacts={
+            "weights": str(Path(checkpoint.path) / WEIGHTS),
+            "tokenizer": tokenizer.path,
+            "config": str(Path(checkpoint.path) / CONFIG),
+        },
+        model_config={"bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id},
+        code_paths=[str(MODEL_PACKAGE)],
+        signature=infer_signature(example, ["generated text"], params=DEFAULT_PARAMS),
+        input_example=(example, {"max_new_tokens": 8}),
+        pip_requirements=pip_requirements(),
+        metadata=metadata,
+    )
+    if info.registered_model_version is None:
+        raise RuntimeError(f"MLflow logged the model for run {run_id} but did not register {model_name!r}.")
+    return str(info.registered_model_version)
+
+
+def _champion_loss_on(
+    champion: ModelVersion, dataset: DatasetRef, tokenizer: TokenizerRef, *, max_blocks: int, dtype: str
+) -> tuple[float | None, str]:
+    """The champion's val_loss on `dataset`, and how it was obtained (None: not comparable)."""
+    from tasks.evaluate import mean_token_loss
+    from tasks.lookup import load_model
+
+    recorded = champion.tags.get(TAG_VAL_LOSS)
+    if champion.tags.get(TAG_DATASET) == dataset.fingerprint and recorded is not None:
+        return float(recorded), "recorded on the same dataset"
+    if champion.tags.get(TAG_TOKENIZER, tokenizer.fingerprint) != tokenizer.fingerprint:
+        return None, "champion uses another tokenizer: per-token losses are not comparable"
+    model, _ = load_model(f"models:/{champion.name}/{champion.version}")
+    if model.config.vocab_size < dataset.vocab_size:
+        return None, "champion's vocabulary is smaller than this dataset's"
+    loss = mean_token_loss(
+        model, Path(dataset.path) / "val.npy", pad_id=tokenizer.pad_id, max_blocks=max_blocks, dtype=dtype
+    )
+    return loss, f"champion re-evaluated on dataset {dataset.fingerprint[:12]}"
+
+
+def register_model(
+    *,
+    run_id: str,
+    checkpoint: CheckpointRef,
+    tokenizer: TokenizerRef,
+    dataset: DatasetRef,
+    eval_result: EvalResult,
+    model_name: str,
+    alias: str = "champion",
+    tracking_uri: str | None = None,
+    eval_max_blocks: int = 256,
+    eval_dtype: str = "bf16",
+) -> RegisteredModel:
+    """Register the checkpoint as a new version of `model_name`; move `alias` to it only if it is better.
+
+    `eval_max_blocks`/`eval_dtype` must match how `eval_result` was computed (tasks.evaluate defaults);
+    they are used only when the champion has to be re-evaluated on this dataset.
+    """
+    _check_inputs(checkpoint, tokenizer, dataset, eval_result)
+    uri = tracking.use_tracking_uri(tracking_uri)
+    client = tracking.get_client(uri)
+    client.get_run(run_id)  # an unknown run fails here, before anything is logged
+
+    champion = _current_champion(client, model_name, alias)
+    version = _log_pyfunc(
+        run_id,
+        checkpoint,
+        tokenizer,
+        model_name,
+        metadata={TAG_DATASET: dataset.fingerprint, TAG_VAL_LOSS: eval_result.val_loss},
+    )
+
+    champion_loss: float | None = None
+    if champion is None:
+        promoted, comparison = True, "no previous champion"
+    else:
+        champion_loss, comparison = _champion_loss_on(
+            champion, dataset, tokenizer, max_blocks=eval_max_blocks, dtype=eval_dtype
+        )
+        promoted = champion_loss is not None and eval_result.val_loss < champion_loss
+
+    tags = {
+        TAG_PROMOTED: str(promoted).lower(),
+        TAG_VAL_LOSS: repr(eval_result.val_loss),
+        TAG_CHAMPION_VAL_LOSS: "none" if champion_loss is None else repr(champion_loss),
+        TAG_CHAMPION_VERSION: "none" if champion is None else str(champion.version),
+        TAG_DATASET: dataset.fingerprint,
+        TAG_TOKENIZER: tokenizer.fingerprint,
+        TAG_COMPARISON: comparison,
+        "llamaflow.run_id": run_id,
+    }
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, version, key, value)
+    client.update_model_version(model_name, version, description=_decision_sentence(
+        version, alias, promoted, eval_result.val_loss, champion, champion_loss, comparison, dataset
+    ))
+    if promoted:
+        client.set_registered_model_alias(model_name, alias, version)
+    client.set_tag(run_id, "llamaflow.registered_version", f"{model_name}/{version}")
+
+    return RegisteredModel(
+        name=model_name,
+        version=version,
+        uri=f"models:/{model_name}/{version}",
+        alias=alias,
+        promoted=promoted,
+        run_id=run_id,
+        champion_val_loss=champion_loss,
+    )
+
+
+def _decision_sentence(
+    version: str,
+    alias: str,
+    promoted: bool,
+    val_loss: float,
+    champion: ModelVersion | None,
+    champion_loss: float | None,
+    comparison: str,
+    dataset: DatasetRef,
+) -> str:
+    data = f"validation data {dataset.fingerprint[:12]}"
+    if champion is None:
+        return f"Version {version} became '{alias}': val_loss {val_loss:.4f} on {data}, no previous champion."
+    if champion_loss is None:
+        return (
+            f"Version {version} was not promoted: val_loss {val_loss:.4f} on {data}, but version "
+            f"{champion.version} ('{alias}') could not be compared ({comparison})."
+        )
+    verb = "took" if promoted else "did not take"
+    relation = "<" if promoted else ">="
+    return (
+        f"Version {version} {verb} '{alias}' from version {champion.version}: val_loss {val_loss:.4f} "
+        f"{relation} champion's {champion_loss:.4f} on {data} ({comparison})."
+    )

@@ -1,0 +1,415 @@
+"""Registration, promotion, lookup and the pyfunc, on a real MLflow store (SQLite) and a real server.
+
+The fixture world is small but real: a BPE tokenizer trained on a few KB of stdlib source, packed
+blocks per the dataset contract, a `tiny` Llama at random init and the same one after 40 AdamW steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from numpy.lib.format import open_memmap
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from model import LlamaConfig, LlamaForPretraining, get_preset, save_weights
+from tasks import register, tracking
+from tasks.evaluate import mean_token_loss
+from tasks.lookup import load_model, parse_model_uri
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
+
+SEQ_LEN = 64
+VOCAB = 384
+PAD_ID, BOS_ID, EOS_ID = 2, 0, 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The fixture world: tokenizer, two packed datasets, three checkpoints
+
+
+def _stdlib_text(names: tuple[str, ...], limit: int) -> list[str]:
+    root = Path(os.__file__).parent
+    return [(root / name).read_text(encoding="utf-8")[:limit] for name in names]
+
+
+def _train_tokenizer(path: Path, texts: list[str]) -> TokenizerRef:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(path))
+    return TokenizerRef(
+        path=str(path),
+        fingerprint=hashlib.sha256(path.read_bytes()).hexdigest(),
+        vocab_size=tokenizer.get_vocab_size(),
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+    )
+
+
+def _write_blocks(path: Path, ids: list[int]) -> int:
+    width = SEQ_LEN + 1
+    n_blocks = -(-len(ids) // width)
+    padded = np.full(n_blocks * width, PAD_ID, dtype=np.uint16)
+    padded[: len(ids)] = ids
+    blocks = open_memmap(path, mode="w+", dtype=np.uint16, shape=(n_blocks, width))
+    blocks[:] = padded.reshape(n_blocks, width)
+    blocks.flush()
+    return n_blocks
+
+
+def _pack(directory: Path, tokenizer: TokenizerRef, train: list[str], val: list[str]) -> DatasetRef:
+    directory.mkdir(parents=True)
+    tok = Tokenizer.from_file(tokenizer.path)
+
+    def ids(texts: list[str]) -> list[int]:
+        out: list[int] = []
+        for text in texts:
+            out += tok.encode(text, add_special_tokens=False).ids + [EOS_ID]
+        return out
+
+    train_ids, val_ids = ids(train), ids(val)
+    train_blocks = _write_blocks(directory / "train.npy", train_ids)
+    val_blocks = _write_blocks(directory / "val.npy", val_ids)
+    fingerprint = hashlib.sha256(
+        (directory / "train.npy").read_bytes() + (directory / "val.npy").read_bytes()
+    ).hexdigest()
+    meta = {"seq_len": SEQ_LEN, "vocab_size": tokenizer.vocab_size, "bos_id": BOS_ID, "eos_id": EOS_ID,
+            "pad_id": PAD_ID, "dtype": "uint16", "train_blocks": train_blocks, "val_blocks": val_blocks,
+            "train_tokens": len(train_ids), "val_tokens": len(val_ids), "stats": {}}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return DatasetRef(path=str(directory), fingerprint=fingerprint, seq_len=SEQ_LEN,
+                      vocab_size=tokenizer.vocab_size, train_blocks=train_blocks, val_blocks=val_blocks,
+                      train_tokens=len(train_ids), val_tokens=len(val_ids))
+
+
+def _checkpoint(directory: Path, model: LlamaForPretraining) -> CheckpointRef:
+    directory.mkdir(parents=True)
+    save_weights(model, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return CheckpointRef(path=str(directory), run_dir=str(directory.parent), step=0, tokens_seen=0)
+
+
+def _config() -> LlamaConfig:
+    return get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _train(model: LlamaForPretraining, dataset: DatasetRef, steps: int) -> None:
+    blocks = torch.from_numpy(np.load(Path(dataset.path) / "train.npy").astype(np.int64))
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = blocks[torch.randint(len(blocks), (8,), generator=generator)]
+        targets = batch[:, 1:].masked_fill(batch[:, 1:] == PAD_ID, -100)
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef) -> float:
+    from tasks.build import load_plain_model
+
+    model = load_plain_model(checkpoint.path).eval()
+    return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID)
+
+
+@dataclass(frozen=True)
+class World:
+    tokenizer: TokenizerRef
+    dataset: DatasetRef
+    other_dataset: DatasetRef
+    random_init: CheckpointRef
+    other_init: CheckpointRef
+    trained: CheckpointRef
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("register-world")
+    texts = _stdlib_text(("textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py"), 6000)
+    tokenizer = _train_tokenizer(root / "tokenizer.json", texts)
+    dataset = _pack(root / "data-a", tokenizer, train=texts[:4], val=texts[4:])
+    other = _pack(root / "data-b", tokenizer, train=texts[1:], val=texts[:1])
+    torch.manual_seed(0)
+    model = LlamaForPretraining(_config())
+    random_init = _checkpoint(root / "random-init", model)
+    torch.manual_seed(1)
+    other_init = _checkpoint(root / "other-init", LlamaForPretraining(_config()))
+    _train(model, dataset, steps=40)
+    trained = _checkpoint(root / "trained", model)
+    return World(tokenizer, dataset, other, random_init, other_init, trained)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One SQLite store for the module; tests use distinct model names within it."""
+    root = tmp_path_factory.mktemp("sqlite-store")
+    uri = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLAMAFLOW_MLRUNS", str(root / "mlruns"))
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        yield uri
+
+
+def _register(world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name: str) -> register.RegisteredModel:
+    run_id = tracking.start_run("register-tests", run_name=Path(checkpoint.path).name)
+    loss = _val_loss(checkpoint, dataset)
+    result = register.register_model(
+        run_id=run_id,
+        checkpoint=checkpoint,
+        tokenizer=world.tokenizer,
+        dataset=dataset,
+        eval_result=EvalResult(val_loss=loss, perplexity=float(np.exp(loss))),
+        model_name=name,
+    )
+    tracking.end_run(run_id)
+    return result
+
+
+def _logits(model: LlamaForPretraining) -> torch.Tensor:
+    ids = torch.arange(3, 3 + 2 * SEQ_LEN).reshape(2, SEQ_LEN) % VOCAB
+    with torch.no_grad():
+        return model(ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# SQLite store
+
+
+@pytest.fixture(scope="module")
+def registered(world: World, store: str) -> dict[str, register.RegisteredModel]:
+    """random init (champion) → trained (better, takes it) → other init (worse, does not)."""
+    first = _register(world, world.random_init, world.dataset, "llamaflow-test")
+    better = _register(world, world.trained, world.dataset, "llamaflow-test")
+    worse = _register(world, world.other_init, world.dataset, "llamaflow-test")
+    return {"first": first, "better": better, "worse": worse}
+
+
+def test_only_better_models_take_the_alias(world: World, registered: dict[str, register.RegisteredModel]) -> None:
+    client = tracking.get_client()
+    first, better, worse = registered["first"], registered["better"], registered["worse"]
+    assert (first.version, better.version, worse.version) == ("1", "2", "3")
+    assert first.promoted and first.champion_val_loss is None
+    assert better.promoted and worse.promoted is False
+    assert str(client.get_model_version_by_alias("llamaflow-test", "champion").version) == "2"
+
+    loss_init = _val_loss(world.random_init, world.dataset)
+    loss_trained = _val_loss(world.trained, world.dataset)
+    loss_other = _val_loss(world.other_init, world.dataset)
+    assert loss_trained < loss_init - 0.3, "40 training steps should clearly beat random init"
+
+    tags = {v: client.get_model_version("llamaflow-test", v).tags for v in ("1", "2", "3")}
+    assert tags["1"][register.TAG_PROMOTED] == "true"
+    assert tags["1"][register.TAG_CHAMPION_VAL_LOSS] == "none"
+    assert tags["2"][register.TAG_PROMOTED] == "true"
+    assert float(tags["2"][register.TAG_VAL_LOSS]) == pytest.approx(loss_trained)
+    assert float(tags["2"][register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(loss_init)
+    assert tags["2"][register.TAG_CHAMPION_VERSION] == "1"
+    assert tags["3"][register.TAG_PROMOTED] == "false"
+    assert float(tags["3"][register.TAG_VAL_LOSS]) == pytest.approx(loss_other)
+    assert float(tags["3"][register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(loss_trained)
+    assert tags["3"][register.TAG_COMPARISON] == "recorded on the same dataset"
+    assert all(t[register.TAG_DATASET] == world.dataset.fingerprint for t in tags.values())
+
+    description = client.get_model_version("llamaflow-test", "3").description
+    assert "did not take 'champion' from version 2" in description
+    assert f"{loss_other:.4f}" in description and f"{loss_trained:.4f}" in description
+    assert client.get_run(better.run_id).data.tags["llamaflow.registered_version"] == "llamaflow-test/2"
+    # Aliases only: no version is ever moved to a stage.
+    assert {client.get_model_version("llamaflow-test", v).current_stage for v in ("1", "2", "3")} == {"None"}
+
+
+def test_champion_is_reevaluated_on_other_validation_data(world: World, store: str) -> None:
+    champion = _register(world, world.trained, world.dataset, "llamaflow-reeval")
+    # The trained model's loss on data-b's val (seen in its training data) vs random init on it.
+    challenger = _register(world, world.random_init, world.other_dataset, "llamaflow-reeval")
+    assert champion.promoted and not challenger.promoted
+    tags = tracking.get_client().get_model_version("llamaflow-reeval", challenger.version).tags
+    expected = _val_loss(world.trained, world.other_dataset)
+    assert float(tags[register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(expected, rel=1e-6)
+    assert challenger.champion_val_loss == pytest.approx(expected, rel=1e-6)
+    assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
+    assert tags[register.TAG_DATASET] == world.other_dataset.fingerprint
+
+
+def test_lookup_returns_the_saved_weights_uncompiled(world: World, registered: dict[str, register.RegisteredModel]) -> None:
+    from tasks.build import load_plain_model
+
+    model, tokenizer = load_model("models:/llamaflow-test@champion")
+    assert not hasattr(model, "_orig_mod") and not model.training
+    expected = load_plain_model(world.trained.path).eval()
+    assert torch.equal(_logits(model), _logits(expected))
+    assert tokenizer.encode("def f(x):").ids == Tokenizer.from_file(world.tokenizer.path).encode("def f(x):").ids
+
+    first, _ = load_model("models:/llamaflow-test/1")
+    assert torch.equal(_logits(first), _logits(load_plain_model(world.random_init.path).eval()))
+
+    with pytest.raises(ValueError, match="models:/NAME@ALIAS"):
+        load_model("runs:/abc/model")
+    with pytest.raises(LookupError, match="known aliases: \\['champion'\\]"):
+        load_model("models:/llamaflow-test@staging")
+    with pytest.raises(LookupError, match="no registered model named 'nope'"):
+        load_model("models:/nope@champion")
+    assert parse_model_uri("models:/a-b/12") == ("a-b", None, "12")
+
+
+def test_registered_artifacts_hold_no_pickles(
+    registered: dict[str, register.RegisteredModel], store: str, tmp_path: Path
+) -> None:
+    import mlflow
+
+    tracking.use_tracking_uri()
+    local = Path(mlflow.artifacts.download_artifacts("models:/llamaflow-test/2", dst_path=str(tmp_path)))
+    files = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
+    assert not [f for f in files if f.endswith((".pt", ".pth", ".pkl", ".pickle", ".bin", ".joblib", ".ckpt"))]
+    assert [f for f in files if f.endswith(".safetensors")] == ["artifacts/model.safetensors"]
+    assert "python_model.pkl" not in [Path(f).name for f in files]
+    assert "code/model/llama.py" in files
+    mlmodel = (local / "MLmodel").read_text()
+    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel  # the python_model is code
+    assert "mlflow_pyfunc.py" in files
+    requirements = (local / "requirements.txt").read_text()
+    assert "+cpu" not in requirements and "torch>=" in requirements
+
+
+def test_pyfunc_predicts_in_a_new_process_without_the_repo(
+    registered: dict[str, register.RegisteredModel], store: str, tmp_path: Path
+) -> None:
+    repo = str(Path(register.__file__).resolve().parents[1])
+    script = f"""
+import importlib.util, json, sys
+sys.path[:] = [p for p in sys.path if p not in ("", {repo!r})]
+assert importlib.util.find_spec("model") is None, "the repo must not be importable here"
+import mlflow
+model = mlflow.pyfunc.load_model("models:/llamaflow-test@champion")
+out = model.predict(["def ", ""], params={{"max_new_tokens": 6, "temperature": 0.0}})
+again = model.predict(["def ", ""], params={{"max_new_tokens": 6, "temperature": 0.0}})
+assert out == again, "greedy decoding must be deterministic"
+print("RESULT" + json.dumps(out))
+"""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONWARNINGS": "ignore"}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    print(f"new process load + 2 predicts: {time.perf_counter() - started:.1f} s -> {out}")
+    assert len(out) == 2 and all(isinstance(text, str) and text for text in out)
+
+
+def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp_path: Path) -> None:
+    run_id = tracking.start_run("register-tests")
+    kwargs = dict(run_id=run_id, tokenizer=world.tokenizer, dataset=world.dataset, model_name="never")
+    empty = CheckpointRef(path=str(tmp_path), run_dir=str(tmp_path), step=0, tokens_seen=0)
+    with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
+        register.register_model(checkpoint=empty, eval_result=EvalResult(val_loss=1.0, perplexity=2.7), **kwargs)
+    with pytest.raises(ValueError, match="diverged"):
+        register.register_model(
+            checkpoint=world.trained, eval_result=EvalResult(val_loss=float("nan"), perplexity=1.0), **kwargs
+        )
+    assert "never" not in [m.name for m in tracking.get_client().search_registered_models()]
+
+
+# --------------------------------------------------------------------------------------------------
+# A real `mlflow server` (SQLite backend, proxied artifacts)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mlflow_cli = str(Path(sys.executable).with_name("mlflow"))
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen(
+        [mlflow_cli, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts")],
+        cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not come up: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.25)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_tracking_and_registry_through_a_server(
+    world: World, server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    assert tracking.check_tracking_store() == server
+    run_id = tracking.start_run("server-tests", run_name="over-http")
+    tracking.log_params(run_id, {"model": _config().to_dict()})
+    tracking.log_dataset_input(run_id, world.dataset)
+    with tracking.MlflowSink(run_id, flush_every_steps=10) as sink:
+        for step in range(25):
+            sink.log_metrics({"train/loss": 6.0 - 0.1 * step, "train/lr": 1e-3}, step)
+    tracking.log_training_curves(run_id, [{"step": s, "train/loss": 6.0 - 0.1 * s, "lr": 1e-3} for s in range(25)])
+    result = register.register_model(
+        run_id=run_id,
+        checkpoint=world.trained,
+        tokenizer=world.tokenizer,
+        dataset=world.dataset,
+        eval_result=EvalResult(val_loss=_val_loss(world.trained, world.dataset), perplexity=1.0),
+        model_name="llamaflow-server",
+    )
+    tracking.end_run(run_id)
+
+    client = tracking.get_client()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.hidden_size"] == "64"
+    assert len(client.get_metric_history(run_id, "train/loss")) == 25
+    assert run.inputs.dataset_inputs[0].dataset.digest == world.dataset.fingerprint[:36]
+    assert "loss_curve.png" in [f.path for f in client.list_artifacts(run_id)]
+    assert tracking.run_link(run_id).startswith(f"{server}/#/experiments/")
+
+    assert result.promoted and result.version == "1"
+    model, _ = load_model("models:/llamaflow-server@champion")
+    from tasks.build import load_plain_model
+
+    assert torch.equal(_logits(model), _logits(load_plain_model(world.trained.path).eval()))
