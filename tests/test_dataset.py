@@ -126,12 +126,20 @@ def test_second_call_does_no_work_and_a_content_change_rebuilds(home: Path, corp
 
 
 def test_streaming_and_process_count_give_identical_arrays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           corpus_dir: Path, tokenizer: TokenizerRef) -> None:
+                                                           tokenizer: TokenizerRef) -> None:
+    import datasets
+
+    many = tmp_path / "many"
+    for i in range(15):  # 150 documents: several map batches, so num_proc=2 really starts 2 processes
+        _corpus(many / f"copy{i}")
     results = []
     for i, options in enumerate(({"num_proc": 1}, {"num_proc": 2}, {"streaming": True})):
         monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / f"home{i}"))
-        ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, **options)
+        # A fresh datasets cache too, or the second build would reuse the first's tokenized Arrow file.
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / f"hf{i}")
+        ref = build_dataset(str(many), tokenizer, SEQ_LEN, val_fraction=0.2, **options)
         results.append((ref, *_arrays(ref)))
+    assert results[0][0].stats["train_documents"] > 2 * 64
     for ref, train, val in results[1:]:
         np.testing.assert_array_equal(train, results[0][1])
         np.testing.assert_array_equal(val, results[0][2])
