@@ -1,0 +1,217 @@
+"""Production set-up, end to end: a real Prefect server, the repository's own prefect.yaml deployed
+on a process work pool, a real worker running the `pretrain` flow on the tiny preset.
+
+One server, pool, deployment and worker serve the whole module (~20 s to start); each test triggers
+its own flow runs through the API, as an operator or a schedule would.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.client.schemas.objects import FlowRun
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = "gpu-pool"
+RUN_TIMEOUT_S = 300
+# Short enough for 2 CPU cores, long enough for checkpoints to matter: 8 optimizer steps of the tiny model.
+TINY = {"preset": "tiny", "max_steps": 8, "warmup_steps": 2, "checkpoint_every": 2, "num_samples": 1}
+
+
+@dataclass
+class Stack:
+    api_url: str
+    env: dict[str, str]
+    worker_log: Path
+    tracking_uri: str
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("prefect-stack")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    base_env = {
+        **os.environ,
+        # `{{ $PWD }}` in prefect.yaml's pull step reads this variable, not the process's cwd.
+        "PWD": str(REPO),
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "LLAMAFLOW_HOME": os.environ["LLAMAFLOW_HOME"],
+        "LLAMAFLOW_MLRUNS": os.environ["LLAMAFLOW_MLRUNS"],
+    }
+    with prefect_server(root / "prefect", base_env) as (api_url, env):
+        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        prefect(["--no-prompt", "deploy", "--all"], env, REPO)
+        worker_log = root / "worker.log"
+        with (
+            prefect_worker(POOL, env, root, worker_log),
+            temporary_settings(updates={PREFECT_API_URL: api_url}),
+        ):
+            yield Stack(api_url, env, worker_log, tracking_uri)
+
+
+def _start(deployment: str, parameters: dict[str, Any], job_variables: dict[str, Any] | None = None) -> FlowRun:
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        return client.create_flow_run_from_deployment(
+            dep.id, parameters=parameters, job_variables=job_variables or {}
+        )
+
+
+def _finish(stack: Stack, deployment: str, config: dict[str, Any], **job_variables: Any) -> FlowRun:
+    run = _start(deployment, {"config": config}, job_variables)
+    return wait_for_flow_run(run.id, RUN_TIMEOUT_S, stack.worker_log)
+
+
+def _task_runs(flow_run_id: uuid.UUID) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def _task_name(task_run: Any) -> str:
+    """The task's own name: Prefect names its runs NAME-<counter>."""
+    return task_run.name.rsplit("-", 1)[0]
+
+
+def _explain(run: FlowRun, stack: Stack) -> str:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    lines = "\n".join(f"{log.level} {log.message}" for log in logs[-40:])
+    return f"flow run {run.name} ended {run.state.name}: {run.state.message}\n{lines}\n{tail(stack.worker_log, 3000)}"
+
+
+def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: Stack) -> None:
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("pretrain/nightly")
+        adhoc = client.read_deployment_by_name("pretrain/adhoc")
+        gpu = client.read_deployment_by_name("train/gpu")
+
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [
+        ("0 2 * * *", "Europe/Berlin", True)
+    ]
+    assert adhoc.schedules == []
+    for dep in (nightly, adhoc, gpu):
+        assert dep.work_pool_name == POOL
+        assert dep.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+        ]
+    assert nightly.parameters == {"config": {"preset": "demo"}}
+
+    # The form: the config parameter is the PretrainConfig model, every field with its default and help.
+    schema = adhoc.parameter_openapi_schema
+    assert list(schema["properties"]) == ["config"]
+    fields = schema["definitions"]["PretrainConfig"]["properties"]
+    assert fields["accumulate_steps"]["minimum"] == 1
+    assert fields["placement"]["enum"] == ["local", "deployment"]
+    assert fields["placement"]["default"] == "local"
+    assert fields["train_retries"]["default"] == 1
+    assert all(fields[name].get("description") for name in ("preset", "max_steps", "placement", "train_retries"))
+    assert schema["definitions"]["PretrainConfig"]["additionalProperties"] is False
+    assert set(gpu.parameter_openapi_schema["required"]) == {"model", "dataset", "settings"}
+
+
+def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> None:
+    # Field constraints are in the schema: the server refuses to create the run at all.
+    for bad, problem in (({"accumulate_steps": 0}, "accumulate_steps"), ({"no_such_field": 1}, "no_such_field")):
+        with pytest.raises(Exception, match=problem):
+            _start("pretrain/adhoc", {"config": {"preset": "tiny", **bad}})
+
+    # Cross-field checks live in PretrainConfig's validators: the run starts and fails on its parameters.
+    run = _finish(stack, "pretrain/adhoc", {"preset": "tiny", "max_steps": 5, "warmup_steps": 5})
+    assert run.state.type.value == "FAILED", _explain(run, stack)
+    assert "warmup_steps" in run.state.message
+    assert _task_runs(run.id) == []
+
+
+def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stack) -> None:
+    model_name = f"deploy-{uuid.uuid4().hex[:8]}"
+    run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name})
+    assert run.state.type.value == "COMPLETED", _explain(run, stack)
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+        )
+    by_key = {a.key: a for a in artifacts if a.key}
+    assert {"training-progress", "pretrain-summary"} <= set(by_key)
+    assert by_key["training-progress"].data == pytest.approx(100.0)
+    assert model_name in by_key["pretrain-summary"].data
+
+    mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
+    versions = mlflow.search_model_versions(f"name='{model_name}'")
+    assert [v.version for v in versions] == ["1"]
+    assert mlflow.get_model_version_by_alias(model_name, "champion").version == "1"
+    trained = mlflow.get_metric_history(versions[0].run_id, "train/loss")
+    assert sorted(m.step for m in trained) == list(range(1, TINY["max_steps"] + 1))
+
+
+def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stack: Stack) -> None:
+    model_name = f"retry-{uuid.uuid4().hex[:8]}"
+    # The crash hits before step 5 runs, after the checkpoint of step 4.
+    fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "crash_at_step=5"}}
+    run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name, "train_retries": 1}, **fault)
+    assert run.state.type.value == "COMPLETED", _explain(run, stack)
+
+    (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
+    assert train.run_count == 2
+    with get_client(sync_client=True) as client:
+        history = [s.name for s in client.read_task_run_states(train.id)]
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    assert "AwaitingRetry" in history and history[-1] == "Completed"
+    assert any("injected crash before step 5" in log.message for log in logs)
+    assert any("resuming from checkpoint" in log.message and "at step 4/" in log.message for log in logs)
+
+    # Resumed, not restarted: every step reached MLflow exactly once.
+    mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
+    (version,) = mlflow.search_model_versions(f"name='{model_name}'")
+    steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
+
+
+def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
+    model_name = f"split-{uuid.uuid4().hex[:8]}"
+    config = {**TINY, "model_name": model_name, "placement": "deployment", "train_deployment": "train/gpu"}
+    run = _finish(stack, "pretrain/adhoc", config)
+    assert run.state.type.value == "COMPLETED", _explain(run, stack)
+
+    # Training ran as its own flow run of train/gpu, linked under the pretrain run; data tasks did not.
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])),
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["gpu"])),
+        )
+    assert len(children) == 1 and children[0].state.type.value == "COMPLETED"
+    child_tasks = {_task_name(t) for t in _task_runs(children[0].id)}
+    parent_tasks = {_task_name(t) for t in _task_runs(run.id)}
+    assert "train" in child_tasks and not child_tasks & {"train_tokenizer", "build_dataset"}
+    assert "train" not in parent_tasks and {"train_tokenizer", "build_dataset"} <= parent_tasks
+
+    mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
+    (version,) = mlflow.search_model_versions(f"name='{model_name}'")
+    steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
