@@ -108,7 +108,8 @@ def _configure_backends(device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def _validate_inputs(model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings) -> tuple[LlamaConfig, dict]:
+def validate_inputs(model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings) -> tuple[LlamaConfig, dict]:
+    """The model config and dataset meta, after checking that they fit together (cheap, before any work)."""
     model_dir = Path(model_ref.path)
     for name in ("config.json", "model.safetensors"):
         if not (model_dir / name).is_file():
@@ -160,7 +161,7 @@ def run_training(
     should_stop: Callable[[], bool] | None = None,
 ) -> CheckpointRef:
     dist = dist or DistContext()
-    config, meta = _validate_inputs(model_ref, dataset_ref, settings)
+    config, meta = validate_inputs(model_ref, dataset_ref, settings)
     device = resolve_device(settings.device, dist.local_rank)
     run_dir = Path(settings.checkpoint_dir).resolve()
     if dist.is_main:

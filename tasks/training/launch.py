@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.settings import PROJECT_ROOT
-from tasks.training.engine import TrainingError, run_training
+from tasks.training.engine import TrainingError, run_training, validate_inputs
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.settings import TrainSettings
 
@@ -51,6 +51,7 @@ def _train_with_torchrun(
     progress: bool,
     should_stop: Callable[[], bool] | None,
 ) -> CheckpointRef:
+    validate_inputs(model_ref, dataset_ref, settings)  # fail here, not in N workers after their start-up
     run_dir = Path(settings.checkpoint_dir).resolve()
     spec_path = write_worker_spec(model_ref, dataset_ref, settings, progress=progress)
     result_path = run_dir / RESULT_FILE
