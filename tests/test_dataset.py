@@ -139,7 +139,7 @@ def test_streaming_and_process_count_give_identical_arrays(tmp_path: Path, monke
         monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / f"hf{i}")
         ref = build_dataset(str(many), tokenizer, SEQ_LEN, val_fraction=0.2, **options)
         results.append((ref, *_arrays(ref)))
-    assert results[0][0].stats["train_documents"] > 2 * 64
+    assert results[0][0].stats["train_documents"] > 64  # at least 2 map batches
     for ref, train, val in results[1:]:
         np.testing.assert_array_equal(train, results[0][1])
         np.testing.assert_array_equal(val, results[0][2])
