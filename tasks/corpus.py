@@ -299,7 +299,7 @@ class CorpusSplit:
     def texts(self) -> Iterator[str]:
         """Documents one by one, without holding the corpus in memory."""
         if self.hf is not None:
-            for row in _hf_split_dataset(self.hf, streaming=True):
+            for row in _hf_split_dataset(self.hf, streaming=self.hf["streaming"]):
                 if row["text"]:
                     yield row["text"]
             return
@@ -431,15 +431,17 @@ def _hf_fingerprint(name: str, config: str | None, split: str, text_field: str, 
         raise DataError(f"Hugging Face dataset {name!r} split {split!r} has no column {text_field!r}; "
                         f"its columns are {ds.column_names}. Pass text_field= one of those.")
     own = getattr(ds, "_fingerprint", None)
-    if own is None:  # streaming datasets carry no content fingerprint; use what identifies the release
-        info = ds.info
-        own = blake(name, str(config), split, str(info.version), str(info.dataset_size), str(info.download_checksums))
+    if own is None:  # a streaming dataset has no content fingerprint; its builder's hash follows the data files
+        import datasets
+
+        builder = datasets.load_dataset_builder(name, config)
+        own = blake("streaming", name, str(config), split, str(builder.hash), str(builder.config.data_files))
     return own
 
 
 def _hf_splits(source: str, spec: DataSpec, *, as_val_source: bool = False) -> tuple[CorpusSplit, CorpusSplit | None]:
     name, config = _parse_hf(source)
-    base = {"name": name, "config": config, "text_field": spec.text_field}
+    base = {"name": name, "config": config, "text_field": spec.text_field, "streaming": spec.streaming}
     train_fp = _hf_fingerprint(name, config, spec.hf_split, spec.text_field, spec.streaming)
     if as_val_source or spec.val_data is not None:
         whole = CorpusSplit(_TRAIN, blake(FORMAT_VERSION, train_fp), source, hf={**base, "split": spec.hf_split})

@@ -145,6 +145,14 @@ def test_hf_dataset_from_a_local_data_directory(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"no column 'text'.*'content'"):
         resolve_corpus(f"hf:{tmp_path / 'hfdata'}")
 
+    streamed = resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True)
+    assert (list(streamed.train.texts()), list(streamed.val.texts())) == (train, val)
+    assert [row["text"] for row in streamed.val.dataset(streaming=True)] == val
+    with open(tmp_path / "hfdata" / "train.jsonl", "a") as handle:
+        handle.write(json.dumps({"content": "one more row"}) + "\n")
+    grown = resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True)
+    assert grown.fingerprint != streamed.fingerprint
+
 
 def test_unreachable_hub_dataset_offline_is_a_clear_error() -> None:
     assert os.environ["HF_HUB_OFFLINE"] == "1"
