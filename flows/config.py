@@ -6,6 +6,7 @@ before any task runs, so bad input costs nothing.
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,11 +143,12 @@ class PretrainConfig(BaseModel):
                 f"{model_cfg.max_position_embeddings}: lower seq_len, or raise it with "
                 f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
             )
-        if self.data and not self.data.startswith("hf:") and self.data != "stdlib":
-            if not any(ch in self.data for ch in "*?[") and not Path(self.data).expanduser().exists():
+        for source in (self.data, self.val_data):
+            local = source not in (None, "stdlib") and not source.startswith("hf:") and not glob.has_magic(source)
+            if local and not Path(source).expanduser().exists():
                 raise ValueError(
-                    f"data={self.data!r} does not exist: give an existing file, directory or glob, "
-                    "'hf:NAME' for a Hugging Face dataset, or leave it unset for the stdlib corpus"
+                    f"data path {source!r} does not exist: give an existing file, directory or glob, "
+                    "'hf:NAME' for a Hugging Face dataset, or leave data unset for the stdlib corpus"
                 )
         for name in ("tokenizer", "init_checkpoint"):
             value = getattr(self, name)

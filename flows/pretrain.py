@@ -19,13 +19,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 from pydantic import BaseModel, ValidationError
 
 import tasks  # noqa: F401  (applies the embedded defaults before Prefect reads its settings)
 from flows.config import PretrainConfig
 from flows.placement import run_training
-from prefect import flow, get_run_logger
-from prefect.context import FlowRunContext
 from tasks import report, tracking
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
@@ -68,7 +68,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
 
     tokenizer = train_tokenizer_task(
         config.data, config.vocab_size, val_fraction=config.val_fraction, val_data=config.val_data,
-        text_field=config.text_field, tokenizer_path=config.tokenizer, seed=config.seed,
+        text_field=config.text_field, tokenizer_path=config.tokenizer,
     )  # fmt: skip
     dataset = build_dataset_task(
         config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction, val_data=config.val_data,
@@ -91,6 +91,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         registered = register_task(
             run_id=run_id, checkpoint=checkpoint, tokenizer=tokenizer, dataset=dataset,
             eval_result=evaluation, model_name=config.model_name, alias=config.alias,
+            eval_max_blocks=config.eval_max_blocks, eval_dtype=config.dtype,
         )  # fmt: skip
     except BaseException:
         tracking.end_run(run_id, "FAILED")

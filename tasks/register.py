@@ -19,6 +19,7 @@ import torch
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
+from prefect import task
 
 from tasks import tracking
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
@@ -237,3 +238,6 @@ def _decision_sentence(
         f"Version {version} {verb} '{alias}' from version {champion.version}: val_loss {val_loss:.4f} "
         f"{relation} champion's {champion_loss:.4f} on {data} ({comparison})."
     )
+
+
+register_task = task(register_model, name="register")
