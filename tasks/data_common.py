@@ -1,0 +1,28 @@
+"""Shared by the data stages: the one error type, warnings, and stable hashes."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+class DataError(ValueError):
+    """Bad data input; the message names the problem and the fix."""
+
+
+class DataWarning(UserWarning):
+    """Something in the corpus was skipped."""
+
+
+def blake(*parts: str | bytes) -> str:
+    """A 32-hex-digit blake2b over length-prefixed parts (so ("ab", "c") != ("a", "bc"))."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        raw = part.encode() if isinstance(part, str) else part
+        digest.update(len(raw).to_bytes(8, "little"))
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def unit_hash(key: str) -> float:
+    """A stable number in [0, 1) for a split key (relative path or record index)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
