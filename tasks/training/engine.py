@@ -78,6 +78,8 @@ class _StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # a second signal: the user will not wait for the step to finish
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
         self.received = signal.Signals(signum).name
 
     @contextmanager
