@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+from typing import Any
 
 
 class DataError(ValueError):
@@ -26,3 +28,14 @@ def blake(*parts: str | bytes) -> str:
 def unit_hash(key: str) -> float:
     """A stable number in [0, 1) for a split key (relative path or record index)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
+
+
+def data_logger() -> Any:
+    """Prefect's run logger inside a flow or task run (so lines reach the UI), else a plain logger."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("llamaflow.data")

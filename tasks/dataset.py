@@ -31,6 +31,7 @@ from prefect.context import TaskRunContext
 from tasks import settings
 from tasks.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
 from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
+from tasks.data_common import data_logger
 from tasks.refs import DatasetRef, TokenizerRef
 
 FORMAT_VERSION = "packed-v1"
@@ -208,6 +209,7 @@ def build_dataset(
     fingerprint = dataset_fingerprint(corpus, tokenizer, seq_len, keep_remainder, add_bos)
     directory = datasets_dir() / fingerprint
     if is_complete(directory):
+        data_logger().info(f"dataset {fingerprint}: cached at {directory}")
         return load_dataset_ref(directory)
     _early_checks(corpus, seq_len, add_bos)
 
@@ -224,8 +226,14 @@ def build_dataset(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    publish(staging, directory)
-    return load_dataset_ref(directory)
+    if not publish(staging, directory):
+        data_logger().info(f"dataset {fingerprint}: another process published it first; using theirs")
+    ref = load_dataset_ref(directory)
+    data_logger().info(
+        f"dataset {fingerprint}: {ref.stats['documents']} documents, {ref.stats['tokens']:,} tokens, "
+        f"{ref.train_blocks} train + {ref.val_blocks} val blocks of {seq_len + 1}, {ref.stats['seconds']} s"
+    )
+    return ref
 
 
 def _build_into(staging: Path, corpus: Corpus, tokenizer: TokenizerRef, seq_len: int, *, keep_remainder: bool,

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tasks import settings
 from tasks.corpus import DataError, DataSpec, blake, resolve_corpus
 from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
+from tasks.data_common import data_logger
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"
@@ -93,6 +94,7 @@ def train_tokenizer(
     fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, vocab_size, min_frequency)
     directory = tokenizers_dir() / fingerprint
     if is_complete(directory):
+        data_logger().info(f"tokenizer {fingerprint}: cached at {directory}")
         return load_tokenizer_ref(directory)
 
     started = time.perf_counter()
@@ -113,6 +115,8 @@ def train_tokenizer(
     stats = {"seconds": round(time.perf_counter() - started, 3), "corpus": corpus.train.description,
              "train_fingerprint": corpus.train.fingerprint, "requested_vocab_size": vocab_size}
     _write(directory, tokenizer, fingerprint, ids, stats)
+    data_logger().info(f"tokenizer {fingerprint}: trained vocab {vocab_size} on {corpus.train.description} "
+                       f"in {stats['seconds']:.1f} s")
     return load_tokenizer_ref(directory)
 
 

@@ -267,3 +267,13 @@ def test_prefect_tasks_are_cached_on_the_content_fingerprint(prefect_api, home: 
     extra.write_text((STDLIB / "this.py").read_text())
     fourth = _data_flow(str(corpus_dir))
     assert fourth[1] == "Completed" and fourth[3].fingerprint != first[3].fingerprint
+
+
+@flow
+def _bad_data_flow(data: str) -> None:
+    train_tokenizer_task(data, 384)
+
+
+def test_prefect_task_with_bad_input_raises_the_data_error(prefect_api, home: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"does not exist"):
+        _bad_data_flow(str(tmp_path / "missing"))
