@@ -268,3 +268,23 @@ def test_weights_load_into_a_fresh_model(tmp_path: Path, dataset: DatasetRef, mo
     assert ref.step == 3 and ref.metrics["train_loss"] > 0
     assert {"tokens_per_s", "compile_time_s", "mfu", "recompiles"} <= ref.metrics.keys()
     shutil.rmtree(ref.run_dir)
+
+
+def test_time_limit_and_stop_request_end_after_a_checkpoint_and_the_run_resumes(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    from tasks.training import TrainingInterrupted
+
+    run = settings(tmp_path, max_time_s=1e-6, log_every=3)
+    stopped = train(model_ref, dataset, run, progress=False)
+    assert stopped.step == 1 and stopped.metrics["stopped_early"] == 1.0
+    assert [s for s, _ in checkpoint_dirs(Path(run.checkpoint_dir))] == [1]
+
+    calls = []
+    with pytest.raises(TrainingInterrupted, match=r"after step 3; checkpoint .*step_000003"):
+        train(model_ref, dataset, run.model_copy(update={"max_time_s": None}), progress=False,
+              should_stop=lambda: calls.append(1) or len(calls) >= 2)  # fmt: skip
+    done = train(model_ref, dataset, run.model_copy(update={"max_time_s": None}), progress=False)
+    assert done.step == 8 and done.metrics["stopped_early"] == 0.0
+    # log_every=3 logs the first step of each process, every third step and the last.
+    assert sorted(read_metrics(run.checkpoint_dir)) == [1, 2, 3, 4, 6, 8]

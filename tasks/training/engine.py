@@ -102,7 +102,6 @@ def _seed_everything(seed: int) -> None:
 
 def _configure_backends(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
@@ -165,6 +164,8 @@ def run_training(
     dist = dist or DistContext()
     config, meta = validate_inputs(model_ref, dataset_ref, settings)
     device = resolve_device(settings.device, dist.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the first NCCL collective (the resume broadcast)
     run_dir = Path(settings.checkpoint_dir).resolve()
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,7 @@ def run_training(
         state = ckpt.load_trainer_state(resume)
         if dist.is_main:
             print(f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}", flush=True)
+            JsonlMetrics(run_dir).log_event(resumed_from=str(resume), step=int(state["step"]))
         if state["step"] >= total_steps:
             return _checkpoint_ref(resume, run_dir, state)
 
