@@ -384,12 +384,31 @@ def read_metrics_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _series(rows: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> tuple[list[int], list[float]]:
-    steps, values = [], []
+def metrics_by_step(rows: Iterable[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Merge rows into one dict per step, in step order; a later row wins per key.
+
+    Rows are flat (`{"step": 3, "train/loss": 2.1}`) or as the trainer's metrics.jsonl writes them
+    (`{"step": 3, "metrics": {...}}`). A resumed run repeats the steps after its checkpoint; the
+    repetition, written later, is the one kept.
+    """
+    merged: dict[int, dict[str, Any]] = {}
     for row in rows:
+        if "step" not in row:
+            continue
+        values = {k: v for k, v in row.items() if k not in ("step", "metrics")}
+        nested = row.get("metrics")
+        if isinstance(nested, Mapping):
+            values.update(nested)
+        merged.setdefault(int(row["step"]), {}).update(values)
+    return dict(sorted(merged.items()))
+
+
+def _series(by_step: Mapping[int, Mapping[str, Any]], keys: Sequence[str]) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for step, row in by_step.items():
         for key in keys:
-            if key in row and row[key] is not None and "step" in row:
-                steps.append(int(row["step"]))
+            if row.get(key) is not None:
+                steps.append(step)
                 values.append(float(row[key]))
                 break
     return steps, values
@@ -401,9 +420,10 @@ def training_curves_figure(history: Sequence[Mapping[str, Any]]) -> Any:
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    loss_steps, loss = _series(history, _LOSS_KEYS)
-    val_steps, val = _series(history, _VAL_KEYS)
-    lr_steps, lr = _series(history, _LR_KEYS)
+    by_step = metrics_by_step(history)
+    loss_steps, loss = _series(by_step, _LOSS_KEYS)
+    val_steps, val = _series(by_step, _VAL_KEYS)
+    lr_steps, lr = _series(by_step, _LR_KEYS)
     if not loss and not val:
         raise ValueError(
             f"Metrics history has no loss values (looked for {_LOSS_KEYS + _VAL_KEYS} with a 'step'); "

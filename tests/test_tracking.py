@@ -139,11 +139,30 @@ def test_sink_logs_params_and_artifacts(run_id: str, tmp_path: Path) -> None:
     assert [f.path for f in client.list_artifacts(run_id, "notes")] == ["notes/note.txt"]
 
 
+def test_metrics_by_step_merges_and_keeps_the_resumed_repetition() -> None:
+    rows = [
+        {"step": 1, "metrics": {"train/loss": 5.0, "train/lr": 1e-3}},
+        {"step": 2, "metrics": {"train/loss": 4.0, "train/lr": 1e-3}},
+        {"step": 2, "metrics": {"train/loss": 4.5, "train/lr": 1e-3}},  # resumed run repeats step 2
+        {"step": 2, "val/loss": 4.8},
+        {"no_step": True},
+    ]
+    assert tracking.metrics_by_step(rows) == {
+        1: {"train/loss": 5.0, "train/lr": 1e-3},
+        2: {"train/loss": 4.5, "train/lr": 1e-3, "val/loss": 4.8},
+    }
+
+
 def test_training_curves_from_jsonl_with_a_torn_last_line(run_id: str, tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "train/loss": 8 - s * 0.1, "lr": min(1.0, s / 5) * 1e-3} for s in range(30)]
+    # The trainer's format: {"step": N, "metrics": {...}}
+    rows = [{"step": s, "metrics": {"train/loss": 8 - s * 0.1, "train/lr": min(1.0, s / 5) * 1e-3}} for s in range(30)]
     rows.append({"step": 29, "val/loss": 5.5})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 30, "train/lo')
+    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 30, "metr')
+    figure = tracking.training_curves_figure(tracking.read_metrics_jsonl(path))
+    loss_axis, lr_axis = figure.axes
+    assert [len(line.get_xdata()) for line in loss_axis.get_lines()] == [30, 1]
+    assert lr_axis.get_lines()[0].get_ydata()[-1] == pytest.approx(1e-3)
     assert tracking.log_training_curves(run_id, path) == "loss_curve.png"
     local = tracking.get_client().download_artifacts(run_id, "loss_curve.png", str(tmp_path))
     assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
