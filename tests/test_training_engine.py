@@ -288,3 +288,11 @@ def test_time_limit_and_stop_request_end_after_a_checkpoint_and_the_run_resumes(
     assert done.step == 8 and done.metrics["stopped_early"] == 0.0
     # log_every=3 logs the first step of each process, every third step and the last.
     assert sorted(read_metrics(run.checkpoint_dir)) == [1, 2, 3, 4, 6, 8]
+
+
+def test_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    from tasks.training.metrics import JsonlMetrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "metrics": {"train/loss": 1.5}}\n{"step": 2, "metr')
+    JsonlMetrics(tmp_path).log_metrics({"train/loss": 1.25}, 2)
+    assert read_metrics(tmp_path) == {1: {"train/loss": 1.5}, 2: {"train/loss": 1.25}}

@@ -49,6 +49,12 @@ class JsonlMetrics:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / METRICS_FILE
+        # A line cut short by a kill must not swallow the first record appended after it.
+        if self.path.is_file() and self.path.stat().st_size:
+            with self.path.open("rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         with self.path.open("a") as f:
