@@ -3,9 +3,11 @@
 Every measurement starts cold: a fresh llamaflow home and datasets cache in a temporary directory,
 so no cached tokenizer, Arrow file or packed dataset is reused.
 
-    .venv/bin/python benchmarks/data_throughput.py [--num-proc 1 2] [--seq-len 256] [--vocab-size 8192]
+    .venv/bin/python benchmarks/data_throughput.py [--num-proc 1 2] [--no-streaming] [--seq-len 256]
 
-Prints a markdown table and writes benchmarks/results/data_throughput.json.
+Rows: one per `--num-proc` value, plus one with `streaming=True` (single process: the datasets
+IterableDataset map has no num_proc). Prints a markdown table and writes
+benchmarks/results/data_throughput.json, with the load average, since the machine may be shared.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ def _fresh_environment(root: Path) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def measure(num_procs: list[int], seq_len: int, vocab_size: int, streaming: bool) -> list[dict[str, object]]:
+def measure(variants: list[tuple[int, bool]], seq_len: int, vocab_size: int) -> list[dict[str, object]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     rows = []
-    for num_proc in num_procs:
+    for num_proc, streaming in variants:
         with tempfile.TemporaryDirectory(prefix="llamaflow-bench-") as tmp:
             _fresh_environment(Path(tmp))
             import datasets
@@ -65,9 +67,11 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--streaming", action="store_true")
+    parser.add_argument("--no-streaming", action="store_true", help="skip the streaming row")
     args = parser.parse_args()
-    rows = measure(args.num_proc, args.seq_len, args.vocab_size, args.streaming)
+    variants = [(n, False) for n in args.num_proc] + ([] if args.no_streaming else [(1, True)])
+    load_before = os.getloadavg()[0]
+    rows = measure(variants, args.seq_len, args.vocab_size)
     print("| num_proc | streaming | documents | tokens | bytes/token | tokenizer s | tokenize+pack s | tokens/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -75,11 +79,13 @@ def main() -> None:
               f"| {r['tokenizer_s']} | {r['tokenize_pack_s']} | {r['tokens_per_s']:,} |")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "python": platform.python_version(), "cpus": os.cpu_count(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                                   time.gmtime()),
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "rows": rows,
     }, indent=2))
-    print(f"\nwritten to {RESULTS}")
+    print(f"\n1-minute load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs; written to {RESULTS}")
 
 
 if __name__ == "__main__":
