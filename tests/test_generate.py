@@ -8,6 +8,8 @@ import torch
 from model import KVCache, LlamaForPretraining, generate, get_preset, sample_next
 
 PAD, EOS = 2, 1
+# Inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 @pytest.fixture(scope="module")

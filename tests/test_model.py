@@ -22,6 +22,9 @@ from model import (
 )
 from model.weights import read_metadata
 
+# Inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 
 def tiny(seed: int = 0, **overrides) -> LlamaForPretraining:
     torch.manual_seed(seed)
