@@ -134,7 +134,10 @@ def _champion_loss_on(
         return float(recorded), "recorded on the same dataset"
     if champion.tags.get(TAG_TOKENIZER, tokenizer.fingerprint) != tokenizer.fingerprint:
         return None, "champion uses another tokenizer: per-token losses are not comparable"
-    model, _ = load_model(f"models:/{champion.name}/{champion.version}")
+    try:
+        model, _ = load_model(f"models:/{champion.name}/{champion.version}")
+    except ValueError as exc:  # a version registered by something other than llamaflow
+        return None, f"champion cannot be loaded as a llamaflow model ({exc})"
     if model.config.vocab_size < dataset.vocab_size:
         return None, "champion's vocabulary is smaller than this dataset's"
     loss = mean_token_loss(
@@ -166,15 +169,9 @@ def register_model(
     client = tracking.get_client(uri)
     client.get_run(run_id)  # an unknown run fails here, before anything is logged
 
+    # The comparison runs before anything is logged, so a failing champion evaluation leaves no
+    # half-recorded version behind. Two registrations racing for one alias are not serialised.
     champion = _current_champion(client, model_name, alias)
-    version = _log_pyfunc(
-        run_id,
-        checkpoint,
-        tokenizer,
-        model_name,
-        metadata={TAG_DATASET: dataset.fingerprint, TAG_VAL_LOSS: eval_result.val_loss},
-    )
-
     champion_loss: float | None = None
     if champion is None:
         promoted, comparison = True, "no previous champion"
@@ -183,6 +180,14 @@ def register_model(
             champion, dataset, tokenizer, max_blocks=eval_max_blocks, dtype=eval_dtype
         )
         promoted = champion_loss is not None and eval_result.val_loss < champion_loss
+
+    version = _log_pyfunc(
+        run_id,
+        checkpoint,
+        tokenizer,
+        model_name,
+        metadata={TAG_DATASET: dataset.fingerprint, TAG_VAL_LOSS: eval_result.val_loss},
+    )
 
     tags = {
         TAG_PROMOTED: str(promoted).lower(),

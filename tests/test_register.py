@@ -137,6 +137,15 @@ def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef) -> float:
     return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # The tiny model runs ~20x slower on 2 threads than on 1 when other processes share the 2 cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @dataclass(frozen=True)
 class World:
     tokenizer: TokenizerRef
@@ -311,7 +320,7 @@ again = model.predict(["def ", ""], params={{"max_new_tokens": 6, "temperature":
 assert out == again, "greedy decoding must be deterministic"
 print("RESULT" + json.dumps(out))
 """
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
@@ -320,6 +329,55 @@ print("RESULT" + json.dumps(out))
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     print(f"new process load + 2 predicts: {time.perf_counter() - started:.1f} s -> {out}")
     assert len(out) == 2 and all(isinstance(text, str) and text for text in out)
+
+
+def test_pyfunc_in_process_takes_dataframes_and_checks_params(
+    registered: dict[str, register.RegisteredModel], store: str
+) -> None:
+    import mlflow
+    import pandas as pd
+
+    tracking.use_tracking_uri()
+    model = mlflow.pyfunc.load_model("models:/llamaflow-test@champion")
+    greedy = {"max_new_tokens": 4, "temperature": 0.0}
+    from_list = model.predict(["def ", "class "], params=greedy)
+    assert model.predict(pd.DataFrame({"prompt": ["def ", "class "]}), params=greedy) == from_list
+    sampling = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 3}
+    assert model.predict(["def "], params=sampling) == model.predict(["def "], params=sampling)
+    with pytest.raises(Exception, match="top_p must be in"):
+        model.predict(["def "], params={"top_p": 0.0})
+    with pytest.raises(Exception, match="leaves no room for the prompt"):
+        model.predict(["def "], params={"max_new_tokens": 500})
+
+
+def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
+    world: World, store: str, tmp_path: Path
+) -> None:
+    import mlflow
+
+    code = tmp_path / "echo_model.py"
+    code.write_text(
+        "import mlflow\n"
+        "class Echo(mlflow.pyfunc.PythonModel):\n"
+        "    def predict(self, context, model_input, params=None):\n"
+        "        return list(model_input)\n"
+        "mlflow.models.set_model(Echo())\n"
+    )
+    tracking.use_tracking_uri()
+    run_id = tracking.start_run("register-tests", run_name="foreign")
+    logged = tracking.get_client().create_logged_model(
+        experiment_id=tracking.ensure_experiment("register-tests"), source_run_id=run_id
+    )
+    mlflow.pyfunc.log_model(
+        name="echo", python_model=str(code), pip_requirements=["mlflow"], model_id=logged.model_id,
+        registered_model_name="llamaflow-foreign",
+    )  # fmt: skip
+    tracking.get_client().set_registered_model_alias("llamaflow-foreign", "champion", "1")
+    ours = _register(world, world.trained, world.dataset, "llamaflow-foreign")
+    assert not ours.promoted and ours.champion_val_loss is None
+    tags = tracking.get_client().get_model_version("llamaflow-foreign", ours.version).tags
+    assert tags[register.TAG_COMPARISON].startswith("champion cannot be loaded as a llamaflow model")
+    assert tags[register.TAG_CHAMPION_VAL_LOSS] == "none"
 
 
 def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp_path: Path) -> None:
