@@ -154,6 +154,18 @@ def test_hf_dataset_from_a_local_data_directory(tmp_path: Path) -> None:
     assert grown.fingerprint != streamed.fingerprint
 
 
+def test_hf_named_validation_split(tmp_path: Path) -> None:
+    (tmp_path / "hfdata").mkdir()
+    for split in ("train", "validation"):
+        rows = [{"text": f"{split} row {i}"} for i in range(5)]
+        (tmp_path / "hfdata" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = resolve_corpus(f"hf:{tmp_path / 'hfdata'}", hf_val_split="validation")
+    assert list(corpus.train.texts()) == [f"train row {i}" for i in range(5)]
+    assert list(corpus.val.texts()) == [f"validation row {i}" for i in range(5)]
+    with pytest.raises(DataError, match=r"split 'test'"):
+        resolve_corpus(f"hf:{tmp_path / 'hfdata'}", hf_val_split="test")
+
+
 def test_unreachable_hub_dataset_offline_is_a_clear_error() -> None:
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     with pytest.raises(DataError, match=r"offline mode is on.*not in the local HF cache"):

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from tasks.corpus import DataError, resolve_corpus
 from tasks.data_cache import PREFECT_RESULTS_DIR, publish, staging_dir
-from tasks.dataset import build_dataset, build_dataset_task
+from tasks.dataset import build_dataset, build_dataset_task, token_dtype
 from tasks.refs import DatasetRef, TokenizerRef
 from tasks.settings import PROJECT_ROOT
 from tasks.tokenize import train_tokenizer, train_tokenizer_task
@@ -187,6 +187,11 @@ def test_two_processes_racing_for_one_key_leave_one_valid_dataset(home: Path, tm
     train, _ = _arrays(refs[0])
     stream = _stream(resolve_corpus(str(corpus_dir), val_fraction=0.2).train.texts(), tokenizer)
     np.testing.assert_array_equal(train.reshape(-1), stream[: train.size])
+
+
+def test_token_dtype_is_the_smallest_that_holds_the_vocabulary() -> None:
+    assert token_dtype(8192) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(128_256) == np.uint32
 
 
 def test_publish_lets_the_first_rename_win(tmp_path: Path) -> None:
