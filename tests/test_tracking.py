@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,15 @@ from tasks import settings, tracking
 from tasks.refs import DatasetRef
 
 
-@pytest.fixture()
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("LLAMAFLOW_MLRUNS", str(tmp_path / "mlruns"))
-    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One SQLite store for the module (creating one costs seconds); each test gets its own run."""
+    root = tmp_path_factory.mktemp("tracking-store")
+    uri = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLAMAFLOW_MLRUNS", str(root / "mlruns"))
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        yield uri
 
 
 @pytest.fixture()
