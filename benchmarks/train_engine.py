@@ -1,7 +1,7 @@
 """Throughput of the training engine on the `demo` preset: eager fp32, eager bf16, compiled bf16, and
 accumulation 1 vs 8 at the same effective batch (compiled bf16).
 
-    .venv/bin/python benchmarks/train_engine.py [--steps 12] [--batch 8] [--seq-len 256]
+    .venv/bin/python benchmarks/train_engine.py [--steps 12] [--batch 8] [--seq-len 256] [--threads N]
 
 Every variant runs the real `tasks.training.train` (loader, exact accumulation, AdamW, clipping, a final
 checkpoint) on synthetic packed blocks. tokens/s is the steady state (the first step, which compiles, is
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -42,8 +43,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
     parser.add_argument("--batch", type=int, default=8, help="effective batch in blocks (a multiple of 8)")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.batch % 8:
         parser.error("--batch must be a multiple of 8 (the accumulation-8 variant splits it in 8)")
 
@@ -79,12 +83,13 @@ def main() -> None:
         "preset": "demo", "params": count_params(config), "seq_len": args.seq_len, "effective_batch": args.batch,
         "steps": args.steps, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "rows": rows,
+        "load_average_1min": round(os.getloadavg()[0], 2), "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ndemo preset ({result['params'] / 1e6:.1f}M params), batch {args.batch} x {args.seq_len}, "
-          f"{args.steps} steps, torch {torch.__version__}, {result['threads']} threads\n")  # fmt: skip
+          f"{args.steps} steps, torch {torch.__version__}, {result['threads']} threads, "
+          f"load average {result['load_average_1min']}\n")  # fmt: skip
     print("| variant | tokens/s | first step (compile) s | MFU | recompiles |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -296,3 +296,16 @@ def test_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path: P
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "metrics": {"train/loss": 1.5}}\n{"step": 2, "metr')
     JsonlMetrics(tmp_path).log_metrics({"train/loss": 1.25}, 2)
     assert read_metrics(tmp_path) == {1: {"train/loss": 1.5}, 2: {"train/loss": 1.25}}
+
+
+def test_run_length_from_epochs_and_max_steps(tmp_path: Path) -> None:
+    from tasks.training import total_optimizer_steps
+
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0) == 4  # 8 + 8 + 8 + 5 blocks
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=1.5) == 6
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=2.0, max_steps=5) == 5  # the shorter of the two
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0, max_steps=50) == 4
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=None, max_steps=50) == 50  # max_steps alone
+    assert total_optimizer_steps(29, 1, 4, 2, epochs=1.0) == 4  # 2 ranks x 4 x 1 = the same global batch
+    with pytest.raises(ValueError, match="epochs, max_steps or both"):
+        TrainSettings(micro_batch_size=1, epochs=None, checkpoint_dir=str(tmp_path))

@@ -11,15 +11,20 @@ def total_optimizer_steps(
     micro_batch_size: int,
     accumulate_steps: int,
     world_size: int,
-    epochs: float,
+    epochs: float | None,
     max_steps: int | None = None,
 ) -> int:
-    """Optimizer steps of a run: `ceil(epochs * steps_per_epoch)`, capped by `max_steps` when given.
+    """Optimizer steps of a run: `ceil(epochs * steps_per_epoch)`, capped by `max_steps` when given
+    (`epochs=None`: `max_steps` alone).
 
     An epoch is `ceil(n_blocks / global_batch)` steps: its last step takes the leftover blocks.
     """
     if n_blocks <= 0:
         raise ValueError("the training split holds no blocks; build the dataset from more text or a shorter seq_len")
+    if epochs is None:
+        if max_steps is None:
+            raise ValueError("give epochs, max_steps or both")
+        return max_steps
     per_epoch = steps_per_epoch(n_blocks, micro_batch_size * accumulate_steps * world_size)
     total = math.ceil(epochs * per_epoch - 1e-9)
     if max_steps is not None:

@@ -13,7 +13,7 @@ class TrainSettings(BaseModel):
 
     Length of the run: `ceil(epochs * steps_per_epoch)` optimizer steps, where the last step of each epoch
     takes whatever blocks are left (a smaller step). When `max_steps` is also set, the run is the SHORTER
-    of the two, so `max_steps` alone cannot run past `epochs` (raise `epochs` for that).
+    of the two; `epochs=None` leaves `max_steps` alone in charge (as many epochs as it takes).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -21,7 +21,7 @@ class TrainSettings(BaseModel):
     micro_batch_size: int = Field(gt=0)
     accumulate_steps: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0)
-    epochs: float = Field(default=1.0, gt=0)
+    epochs: float | None = Field(default=1.0, gt=0)
 
     lr: float = Field(default=3e-4, gt=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
@@ -50,6 +50,8 @@ class TrainSettings(BaseModel):
     def _check(self) -> TrainSettings:
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("set epochs, max_steps or both: with neither the run would never end")
         if not self.checkpoint_dir:
             raise ValueError("checkpoint_dir must be a directory path (it also decides where a run resumes)")
         return self
