@@ -203,7 +203,8 @@ class LlamaForPretraining(nn.Module):
             if position_ids is None:
                 position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
         elif past == 0:
-            is_causal = seq > 1
+            # Not `seq > 1`: under dynamic shapes that is a SymBool, which SDPA refuses (a graph break).
+            is_causal = True
         elif seq > 1:
             mask = _padding_causal_mask(None, past, seq, device=input_ids.device)
 

@@ -221,6 +221,19 @@ def test_compiled_model_matches_eager_without_graph_breaks(compiled_pair) -> Non
         assert explanation.graph_count == 1
 
 
+def test_one_full_graph_for_every_shape_mask_and_length() -> None:
+    """fullgraph=True turns any graph break into an error; the eager backend keeps it cheap (no inductor)."""
+    torch._dynamo.reset()
+    model = tiny()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
+    for batch, seq in ((4, 32), (3, 17), (1, 1)):
+        ids = torch.randint(0, 8192, (batch, seq))
+        mask = torch.ones_like(ids)
+        mask[0, : seq // 2] = 0
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(compiled(ids, mask), model(ids, mask), rtol=0, atol=1e-5)
+
+
 def test_state_dict_of_compiled_model_loads_into_plain_model(compiled_pair, tmp_path) -> None:
     model, compiled = compiled_pair
     assert unwrap(compiled) is model
