@@ -23,7 +23,6 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from pydantic import BaseModel, ValidationError
 
-import tasks  # noqa: F401  (applies the embedded defaults before Prefect reads its settings)
 from flows.config import PretrainConfig
 from flows.placement import run_training
 from tasks import report, tracking
