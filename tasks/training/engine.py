@@ -16,7 +16,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -221,12 +222,27 @@ def run_training(
     return loop.run()
 
 
+@dataclass(eq=False)
 class _Loop:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if self.settings.dtype == "bf16" else nullcontext()
-        )
+    model: nn.Module  # what runs forward: compiled and/or DDP-wrapped
+    plain: nn.Module  # the plain module: parameters, checkpoints
+    optimizer: torch.optim.Optimizer
+    loader: BlockLoader
+    settings: TrainSettings
+    dist: DistContext
+    device: torch.device
+    run_dir: Path
+    total_steps: int
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    config: LlamaConfig
+    seq_len: int
+    sink: MetricSink | None
+    progress: bool
+    should_stop: Callable[[], bool] | None
+    last_checkpoint: Path | None
+
+    def __post_init__(self) -> None:
         self.faults = FaultInjector(self.run_dir)
         self.jsonl = JsonlMetrics(self.run_dir) if self.dist.is_main else None
         self.flops_per_token = flops_per_token(self.config, self.seq_len)
@@ -239,6 +255,11 @@ class _Loop:
         self.steady_time = 0.0
         self.last_loss = float("nan")
         self.last_metrics: dict[str, float] = {}
+
+    def _autocast(self) -> AbstractContextManager:
+        if self.settings.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def run(self) -> CheckpointRef:
         started = time.perf_counter()
@@ -308,7 +329,7 @@ class _Loop:
         for i, (inputs, targets) in enumerate(batch.micro_batches):
             sync = nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
             with sync:
-                with self.autocast:
+                with self._autocast():
                     logits = self.model(inputs)
                 loss = token_loss_sum(logits, targets)
                 if self.faults.loss_is_nan(step_number):
