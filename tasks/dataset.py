@@ -6,8 +6,8 @@ smallest unsigned dtype that holds the vocabulary; a row's inputs are `row[:-1]`
 stream is every document's tokens followed by EOS (`add_bos=True` also puts BOS before each
 document). Blocks span documents but never mix train and validation. The tail shorter than a block
 is dropped, or with `keep_remainder=True` right-padded with PAD into a last block (when it holds at
-least 2 tokens, i.e. one target). `train_tokens` / `val_tokens` count the real (non-PAD) tokens
-stored in the blocks.
+least 2 tokens, i.e. one target). `train_tokens` / `val_tokens` count the targets the loss sees:
+non-PAD tokens in `row[1:]`, i.e. `seq_len` per full block (the stats also hold the stream lengths).
 
 Tokenization runs through `datasets.map(batched=True, num_proc=...)`; each batch becomes one row of
 concatenated ids, written straight to disk, so neither the corpus nor its tokens are held in memory
@@ -34,7 +34,7 @@ from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key
 from tasks.data_common import data_logger
 from tasks.refs import DatasetRef, TokenizerRef
 
-FORMAT_VERSION = "packed-v1"
+FORMAT_VERSION = "packed-v2"  # v2: train_tokens counts targets
 MAP_BATCH_SIZE = 64  # documents per map batch: stdlib files average 16 kB
 _TOKENIZERS: dict[str, Any] = {}
 
@@ -125,7 +125,7 @@ def _write_tokens(chunks: Iterator[np.ndarray], path: Path) -> int:
 
 def _pack(raw_path: Path, npy_path: Path, n_tokens: int, *, seq_len: int, keep_remainder: bool, pad_id: int,
           dtype: np.dtype) -> tuple[int, int]:
-    """Cut the raw stream into (n_blocks, seq_len + 1) rows of an .npy; returns (blocks, real tokens kept)."""
+    """Cut the raw stream into (n_blocks, seq_len + 1) rows of an .npy; returns (blocks, stream tokens kept)."""
     width = seq_len + 1
     full, remainder = divmod(n_tokens, width)
     keep_tail = keep_remainder and remainder >= 2
@@ -256,7 +256,7 @@ def _build_into(staging: Path, corpus: Corpus, tokenizer: TokenizerRef, seq_len:
         blocks, kept = _pack(raw, staging / f"{short}.npy", n_tokens, seq_len=seq_len,
                              keep_remainder=keep_remainder, pad_id=tokenizer.pad_id, dtype=dtype)
         raw.unlink()
-        meta[f"{short}_blocks"], meta[f"{short}_tokens"] = blocks, kept
+        meta[f"{short}_blocks"], meta[f"{short}_tokens"] = blocks, kept - blocks  # row[0] is never a target
         stats.update({f"{short}_documents": counts["documents"], f"{short}_stream_tokens": n_tokens,
                       f"{short}_bytes": counts["bytes"], f"{short}_dropped_tokens": n_tokens - kept})
     stream = stats["train_stream_tokens"] + stats["val_stream_tokens"]

@@ -79,7 +79,7 @@ def test_blocks_concatenate_back_to_the_token_stream(home: Path, corpus_dir: Pat
         assert array.size == (len(stream) // (SEQ_LEN + 1)) * (SEQ_LEN + 1)  # remainder dropped
         np.testing.assert_array_equal(array.reshape(-1), stream[: array.size])
         assert tokenizer.pad_id not in array
-    assert ref.train_tokens == train.size and ref.val_tokens == val.size
+    assert ref.train_tokens == train.shape[0] * SEQ_LEN and ref.val_tokens == val.shape[0] * SEQ_LEN
 
     meta = json.loads((directory / "meta.json").read_text())
     assert {k: meta[k] for k in ("seq_len", "vocab_size", "bos_id", "eos_id", "pad_id", "dtype")} == {
@@ -101,7 +101,7 @@ def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(home: Path,
     assert train.shape[0] == len(stream) // (SEQ_LEN + 1) + 1
     np.testing.assert_array_equal(train.reshape(-1)[: len(stream)], stream)
     assert (train[-1, remainder:] == tokenizer.pad_id).all()
-    assert ref.train_tokens == len(stream)
+    assert ref.train_tokens == len(stream) - train.shape[0]  # every stream token but each row's first is a target
     assert train[0, 0] == tokenizer.bos_id
     assert int((train == tokenizer.bos_id).sum()) == int((train == tokenizer.eos_id).sum())
 
@@ -155,7 +155,7 @@ def test_jsonl_records_pack_with_eos_between_documents(home: Path, tmp_path: Pat
     ref = build_dataset(str(path), tokenizer, 16, text_field="body", val_fraction=0.3, keep_remainder=True)
     assert ref.stats["documents"] == len(rows)
     train, val = _arrays(ref)
-    real = int((train != tokenizer.pad_id).sum() + (val != tokenizer.pad_id).sum())
+    real = int((train[:, 1:] != tokenizer.pad_id).sum() + (val[:, 1:] != tokenizer.pad_id).sum())
     assert int((train == tokenizer.eos_id).sum() + (val == tokenizer.eos_id).sum()) == len(rows)
     assert real == ref.train_tokens + ref.val_tokens
 
