@@ -79,9 +79,12 @@ class _StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:  # a second signal: the user will not wait for the step to finish
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        # The same signal twice (Ctrl-C, Ctrl-C) means: do not wait for the step. A different one is
+        # usually a launcher forwarding the first (torchrun turns a terminal's SIGINT into SIGTERM).
+        if self.received == name:
+            raise KeyboardInterrupt(f"second {name}: stopping without a checkpoint")
+        self.received = self.received or name
 
     @contextmanager
     def installed(self) -> Iterator[_StopSignals]:

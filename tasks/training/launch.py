@@ -72,14 +72,12 @@ def _train_with_torchrun(
         while process.poll() is None:
             offset = _forward(metrics_path, offset, sink)
             if should_stop is not None and not stop_sent and should_stop():
-                os.killpg(process.pid, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker once
                 stop_sent = True
             time.sleep(0.2)
     except BaseException:
         # Ctrl-C here: let the workers checkpoint and stop, then re-raise.
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait()
+        _stop(process)
         raise
     _forward(metrics_path, offset, sink)
     if process.returncode != 0 or not result_path.is_file():
@@ -88,6 +86,19 @@ def _train_with_torchrun(
             f"workers' output above. Rerun with the same checkpoint_dir ({run_dir}) to resume"
         )
     return CheckpointRef.model_validate_json(result_path.read_text())
+
+
+def _stop(process: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """SIGTERM to torchrun (never to the whole group: workers would get it twice and skip the checkpoint),
+    then SIGKILL to the group if it is still there after `grace_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def write_worker_spec(
