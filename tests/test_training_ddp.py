@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from model import get_preset
-from tasks.training import TrainingError, TrainSettings, read_metrics, train
-from tasks.training.checkpoint import checkpoint_dirs
+from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, read_metrics, train
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
 from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
 
@@ -89,3 +89,19 @@ def test_bad_input_fails_before_launch_and_a_failing_rank_raises_training_error(
     with pytest.raises(TrainingError, match="torchrun with 2 workers failed"):
         train(model, dataset, settings, progress=False)
     assert checkpoint_dirs(tmp_path / "r") == []
+
+
+def test_a_stop_request_reaches_every_rank_through_torchrun_and_leaves_a_checkpoint(tmp_path: Path) -> None:
+    dataset = write_packed_dataset(
+        tmp_path / "packed", pattern_blocks(16, SEQ, VOCAB, 0), pattern_blocks(2, SEQ, VOCAB, 1), vocab_size=VOCAB
+    )
+    model = write_model_ref(tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
+    settings = TrainSettings(
+        micro_batch_size=2, nproc_per_node=2, epochs=None, max_steps=100_000, compile=False, dtype="fp32",
+        device="cpu", checkpoint_dir=str(tmp_path / "r"),
+    )  # fmt: skip
+    sink = Recorder()
+    with pytest.raises(TrainingInterrupted, match="stop request"):
+        train(model, dataset, settings, sink, progress=False, should_stop=lambda: bool(sink.steps))
+    [(step, path)] = checkpoint_dirs(tmp_path / "r")
+    assert 1 <= step < 100_000 and checkpoint_problem(path) is None

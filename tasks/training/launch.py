@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.settings import PROJECT_ROOT
-from tasks.training.engine import TrainingError, run_training, validate_inputs
+from tasks.training.engine import TrainingError, TrainingInterrupted, run_training, validate_inputs
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.settings import TrainSettings
 
@@ -80,6 +80,11 @@ def _train_with_torchrun(
         _stop(process)
         raise
     _forward(metrics_path, offset, sink)
+    if stop_sent:
+        raise TrainingInterrupted(
+            f"training stopped by a stop request (torchrun exit code {process.returncode}); rerun with the same "
+            f"checkpoint_dir ({run_dir}) to resume from its newest checkpoint"
+        )
     if process.returncode != 0 or not result_path.is_file():
         raise TrainingError(
             f"torchrun with {settings.nproc_per_node} workers failed (exit code {process.returncode}); see the "
