@@ -1,4 +1,13 @@
-"""The training engine: plain PyTorch (no Prefect, no MLflow), runnable in-process or by torchrun workers."""
+"""The training engine: plain PyTorch (no Prefect, no MLflow), runnable in-process or by torchrun workers.
+
+    ref = train(model_ref, dataset_ref, TrainSettings(micro_batch_size=8, checkpoint_dir=...), sink)
+
+A run directory (`checkpoint_dir`) holds `step_000123/` checkpoints (model.safetensors, optimizer.pt,
+trainer_state.pt, config.json, train_settings.json, manifest.json with sha256 of each), `metrics.jsonl`
+(one line per logged step; the last line of a step wins), and for torchrun jobs `worker_spec.json` /
+`worker_result.json`. Calling `train` again with the same directory resumes from the newest valid
+checkpoint, or returns at once when that checkpoint finished the run.
+"""
 
 from tasks.training.engine import TrainingError, TrainingInterrupted
 from tasks.training.launch import train
