@@ -104,7 +104,8 @@ def generate(
     plain.eval()
     try:
         tokens = input_ids.long()
-        mask = None if attn_mask is None else attn_mask.long()
+        # Without padding, the mask-free causal path is exact and faster.
+        mask = None if attn_mask is None or bool(attn_mask.all()) else attn_mask.long()
         cache = KVCache(plain.config, batch, prompt_len + max_new_tokens) if use_cache else None
         step_input = tokens
         finished = torch.zeros(batch, dtype=torch.bool, device=tokens.device)

@@ -68,10 +68,15 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load a safetensors state dict into a plain (not yet compiled) module, strictly; returns the module."""
+    """Load a safetensors state dict into a plain (not yet compiled) module, strictly; returns the module.
+
+    `path` is a .safetensors file or a directory holding `model.safetensors`.
+    """
     if is_compiled(model):
         raise TypeError(COMPILED_MODEL_ERROR)
     path = Path(path)
+    if path.is_dir():
+        path = path / "model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"weights file {path} does not exist")
     if path.suffix != ".safetensors":
