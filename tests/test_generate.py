@@ -40,6 +40,7 @@ def test_cached_equals_uncached_greedy_single_prompt(model: LlamaForPretraining)
     uncached = generate(model, ids, max_new_tokens=24, temperature=0, use_cache=False)
     assert cached.shape == (1, 33) and torch.equal(cached[:, :9], ids)
     assert torch.equal(cached, uncached)
+    assert torch.equal(generate(model, ids, torch.ones_like(ids), max_new_tokens=24, temperature=0), cached)
     assert cached[0, 9:].unique().numel() > 3  # the check means something only if tokens vary
 
 
