@@ -36,6 +36,7 @@ TAG_CHAMPION_VERSION = "llamaflow.champion_version"
 TAG_DATASET = "llamaflow.dataset_fingerprint"
 TAG_TOKENIZER = "llamaflow.tokenizer_fingerprint"
 TAG_COMPARISON = "llamaflow.comparison"
+TAG_EVAL_METHOD = "llamaflow.eval_method"
 
 
 def pip_requirements() -> list[str]:
@@ -123,27 +124,40 @@ def _log_pyfunc(
     return str(info.registered_model_version)
 
 
+def eval_method(max_blocks: int, dtype: str) -> str:
+    return f"mean token CE, first {max_blocks} val blocks, {dtype}"
+
+
 def _champion_loss_on(
-    champion: ModelVersion, dataset: DatasetRef, tokenizer: TokenizerRef, *, max_blocks: int, dtype: str
+    champion: ModelVersion,
+    dataset: DatasetRef,
+    tokenizer: TokenizerRef,
+    *,
+    max_blocks: int,
+    dtype: str,
+    device: str,
 ) -> tuple[float | None, str]:
     """The champion's val_loss on `dataset`, and how it was obtained (None: not comparable)."""
-    from tasks.evaluate import mean_token_loss
+    from tasks.evaluate import mean_token_loss, resolve_device
     from tasks.lookup import load_model
 
     recorded = champion.tags.get(TAG_VAL_LOSS)
-    if champion.tags.get(TAG_DATASET) == dataset.fingerprint and recorded is not None:
-        return float(recorded), "recorded on the same dataset"
+    same_data = champion.tags.get(TAG_DATASET) == dataset.fingerprint
+    if same_data and champion.tags.get(TAG_EVAL_METHOD) == eval_method(max_blocks, dtype) and recorded is not None:
+        return float(recorded), "recorded on the same dataset with the same eval method"
     if champion.tags.get(TAG_TOKENIZER, tokenizer.fingerprint) != tokenizer.fingerprint:
         return None, "champion uses another tokenizer: per-token losses are not comparable"
+    dev = resolve_device(device)
     try:
-        model, _ = load_model(f"models:/{champion.name}/{champion.version}")
+        model, _ = load_model(f"models:/{champion.name}/{champion.version}", device=dev)
     except ValueError as exc:  # a version registered by something other than llamaflow
         return None, f"champion cannot be loaded as a llamaflow model ({exc})"
     if model.config.vocab_size < dataset.vocab_size:
         return None, "champion's vocabulary is smaller than this dataset's"
     loss = mean_token_loss(
-        model, Path(dataset.path) / "val.npy", pad_id=tokenizer.pad_id, max_blocks=max_blocks, dtype=dtype
-    )
+        model, Path(dataset.path) / "val.npy", pad_id=tokenizer.pad_id, max_blocks=max_blocks, dtype=dtype,
+        device=dev,
+    )  # fmt: skip
     return loss, f"champion re-evaluated on dataset {dataset.fingerprint[:12]}"
 
 
@@ -159,11 +173,13 @@ def register_model(
     tracking_uri: str | None = None,
     eval_max_blocks: int = 256,
     eval_dtype: str = "bf16",
+    eval_device: str = "auto",
 ) -> RegisteredModel:
     """Register the checkpoint as a new version of `model_name`; move `alias` to it only if it is better.
 
-    `eval_max_blocks`/`eval_dtype` must match how `eval_result` was computed (tasks.evaluate defaults);
-    they are used only when the champion has to be re-evaluated on this dataset.
+    `eval_max_blocks`/`eval_dtype` must match how `eval_result` was computed (tasks.evaluate defaults).
+    A champion's recorded val_loss is reused only for the same dataset fingerprint and eval method;
+    otherwise the champion is evaluated here, on `eval_device`.
     """
     _check_inputs(checkpoint, tokenizer, dataset, eval_result)
     uri = tracking.use_tracking_uri(tracking_uri)
@@ -178,7 +194,7 @@ def register_model(
         promoted, comparison = True, "no previous champion"
     else:
         champion_loss, comparison = _champion_loss_on(
-            champion, dataset, tokenizer, max_blocks=eval_max_blocks, dtype=eval_dtype
+            champion, dataset, tokenizer, max_blocks=eval_max_blocks, dtype=eval_dtype, device=eval_device
         )
         promoted = champion_loss is not None and eval_result.val_loss < champion_loss
 
@@ -189,6 +205,7 @@ def register_model(
         TAG_CHAMPION_VERSION: "none" if champion is None else str(champion.version),
         TAG_DATASET: dataset.fingerprint,
         TAG_TOKENIZER: tokenizer.fingerprint,
+        TAG_EVAL_METHOD: eval_method(eval_max_blocks, eval_dtype),
         TAG_COMPARISON: comparison,
         "llamaflow.run_id": run_id,
     }

@@ -130,11 +130,11 @@ def _train(model: LlamaForPretraining, dataset: DatasetRef, steps: int) -> None:
     model.eval()
 
 
-def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef) -> float:
+def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef, max_blocks: int | None = None) -> float:
     from tasks.build import load_plain_model
 
     model = load_plain_model(checkpoint.path).eval()
-    return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID)
+    return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID, max_blocks=max_blocks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -184,9 +184,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield uri
 
 
-def _register(world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name: str) -> register.RegisteredModel:
+def _register(
+    world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name: str, max_blocks: int = 256
+) -> register.RegisteredModel:
     run_id = tracking.start_run("register-tests", run_name=Path(checkpoint.path).name)
-    loss = _val_loss(checkpoint, dataset)
+    loss = _val_loss(checkpoint, dataset, max_blocks)
     result = register.register_model(
         run_id=run_id,
         checkpoint=checkpoint,
@@ -194,6 +196,8 @@ def _register(world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name
         dataset=dataset,
         eval_result=EvalResult(val_loss=loss, perplexity=float(np.exp(loss))),
         model_name=name,
+        eval_max_blocks=max_blocks,
+        eval_device="cpu",
     )
     tracking.end_run(run_id)
     return result
@@ -241,7 +245,7 @@ def test_only_better_models_take_the_alias(world: World, registered: dict[str, r
     assert tags["3"][register.TAG_PROMOTED] == "false"
     assert float(tags["3"][register.TAG_VAL_LOSS]) == pytest.approx(loss_other)
     assert float(tags["3"][register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(loss_trained)
-    assert tags["3"][register.TAG_COMPARISON] == "recorded on the same dataset"
+    assert tags["3"][register.TAG_COMPARISON] == "recorded on the same dataset with the same eval method"
     assert all(t[register.TAG_DATASET] == world.dataset.fingerprint for t in tags.values())
 
     description = client.get_model_version("llamaflow-test", "3").description
@@ -263,6 +267,13 @@ def test_champion_is_reevaluated_on_other_validation_data(world: World, store: s
     assert challenger.champion_val_loss == pytest.approx(expected, rel=1e-6)
     assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
     assert tags[register.TAG_DATASET] == world.other_dataset.fingerprint
+
+    # Same dataset as the champion's but fewer eval blocks: its recorded number is not comparable.
+    fewer = _register(world, world.random_init, world.dataset, "llamaflow-reeval", max_blocks=4)
+    tags = tracking.get_client().get_model_version("llamaflow-reeval", fewer.version).tags
+    assert fewer.champion_val_loss == pytest.approx(_val_loss(world.trained, world.dataset, 4), rel=1e-6)
+    assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
+    assert tags[register.TAG_EVAL_METHOD] == register.eval_method(4, "bf16")
 
 
 def test_lookup_returns_the_saved_weights_uncompiled(world: World, registered: dict[str, register.RegisteredModel]) -> None:
