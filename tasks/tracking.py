@@ -259,10 +259,14 @@ def log_dataset_input(
 class MlflowSink:
     """Buffers per-step metrics and writes them with `log_batch`.
 
-    One synchronous MLflow call per step costs ~3 ms on SQLite and a round trip on a server; the sink
-    flushes every `flush_every_steps` distinct steps or `flush_every_s` seconds, and on `close()`.
+    One synchronous MLflow call per metric costs ~20 ms on SQLite and a round trip on a server; the
+    sink flushes every `flush_every_steps` distinct steps or `flush_every_s` seconds, and on `close()`.
+    A failed flush (store briefly unreachable) warns and keeps the metrics for the next one, so a
+    tracking hiccup does not kill training; `close()` raises if they still cannot be written.
     Implements the trainer's logger interface: `log_metrics`, `log_params`, `log_artifact`, `close`.
     """
+
+    max_buffered = 200_000
 
     def __init__(
         self,
@@ -275,16 +279,26 @@ class MlflowSink:
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}.")
         self.run_id = run_id
-        self.uri = uri or settings.tracking_uri()
+        self.uri = check_tracking_store(uri)
         self._client = get_client(self.uri)
+        try:
+            self._client.get_run(run_id)
+        except mlflow.exceptions.MlflowException as exc:
+            raise ValueError(
+                f"MLflow run {run_id!r} does not exist in {self.uri}; create it with tracking.start_run()."
+            ) from exc
         self._flush_every_steps = flush_every_steps
         self._flush_every_s = flush_every_s
         self._buffer: list[Metric] = []
         self._steps_buffered: set[int] = set()
+        self._new_since_flush = 0
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
         self.flushes = 0
+        self.failed_flushes = 0
+        self.dropped = 0
+        self.last_error: Exception | None = None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if self._closed:
@@ -296,25 +310,47 @@ class MlflowSink:
         with self._lock:
             self._buffer.extend(entries)
             self._steps_buffered.add(int(step))
+            self._new_since_flush += len(entries)
             due = (
                 len(self._steps_buffered) >= self._flush_every_steps
                 or time.monotonic() - self._last_flush >= self._flush_every_s
-                or len(self._buffer) >= MAX_METRICS_PER_BATCH
+                or self._new_since_flush >= MAX_METRICS_PER_BATCH
             )
         if due:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        """Write everything buffered; False (with a warning, metrics kept) if the store refused."""
         with self._lock:
             pending, self._buffer = self._buffer, []
             self._steps_buffered = set()
+            self._new_since_flush = 0
             self._last_flush = time.monotonic()
-        for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
-            self._client.log_batch(
-                self.run_id, metrics=pending[start : start + MAX_METRICS_PER_BATCH], synchronous=True
+        sent = 0
+        try:
+            while sent < len(pending):
+                chunk = pending[sent : sent + MAX_METRICS_PER_BATCH]
+                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+                sent += len(chunk)
+        except Exception as exc:  # any store failure: keep the metrics and let training go on
+            with self._lock:
+                self._buffer = pending[sent:] + self._buffer
+                overflow = len(self._buffer) - self.max_buffered
+                if overflow > 0:
+                    del self._buffer[:overflow]
+                    self.dropped += overflow
+            self.failed_flushes += 1
+            self.last_error = exc
+            warnings.warn(
+                f"MLflow did not take {len(pending) - sent} metrics for run {self.run_id} ({exc}); "
+                f"{len(self._buffer)} kept for the next flush, {self.dropped} dropped so far.",
+                RuntimeWarning,
+                stacklevel=2,
             )
+            return False
         if pending:
             self.flushes += 1
+        return True
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         log_params(self.run_id, params, uri=self.uri)
@@ -329,9 +365,14 @@ class MlflowSink:
             self._client.log_artifact(self.run_id, str(local), artifact_path)
 
     def close(self) -> None:
-        if not self._closed:
-            self.flush()
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        if not self.flush() or self.dropped:
+            raise RuntimeError(
+                f"{len(self._buffer)} metrics could not be written to MLflow run {self.run_id} at close "
+                f"and {self.dropped} were dropped earlier; last error: {self.last_error}"
+            )
 
     def __enter__(self) -> MlflowSink:
         return self

@@ -130,6 +130,35 @@ def test_sink_flushes_on_time(run_id: str) -> None:
         assert [m.value for m in client.get_metric_history(run_id, "val/loss")] == [4.0, 3.5]
 
 
+def test_sink_keeps_metrics_through_a_failed_flush(run_id: str) -> None:
+    client = tracking.get_client()
+    sink = tracking.MlflowSink(run_id, flush_every_steps=5, flush_every_s=3600)
+    for step in range(5):
+        sink.log_metrics({"train/loss": float(step)}, step)
+    client.delete_run(run_id)  # the store now refuses writes to this run, like an outage would
+    with pytest.warns(RuntimeWarning, match="5 kept for the next flush"):
+        for step in range(5, 10):
+            sink.log_metrics({"train/loss": float(step)}, step)
+    assert (sink.flushes, sink.failed_flushes) == (1, 1)
+    client.restore_run(run_id)
+    for step in range(10, 15):
+        sink.log_metrics({"train/loss": float(step)}, step)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(15))
+
+    client.delete_run(run_id)
+    sink.log_metrics({"train/loss": 15.0}, 15)
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="1 metrics could not be written"):
+        sink.close()
+
+
+def test_sink_checks_the_run_and_store_up_front(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        tracking.MlflowSink("0" * 32)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(tracking.TrackingStoreUnavailable):
+        tracking.MlflowSink("0" * 32)
+
+
 def test_sink_logs_params_and_artifacts(run_id: str, tmp_path: Path) -> None:
     note = tmp_path / "note.txt"
     note.write_text("hello")
