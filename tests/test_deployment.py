@@ -8,7 +8,6 @@ its own flow runs through the API, as an operator or a schedule would.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,17 +30,26 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run  # noqa: E402
+from flows.config import PretrainConfig
+from flows.placement import PlacementError, check_placement
+from flows.train_remote import RESULT_FILE, SharedStorageError, read_result, write_result
+from tasks.refs import CheckpointRef
 
-pytestmark = pytest.mark.e2e
+# SQLAlchemy 2.1 deprecates a loader MLflow uses; the message quotes it as ``noload``.
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = "gpu-pool"
 RUN_TIMEOUT_S = 300
-# Short enough for 2 CPU cores, long enough for checkpoints to matter: 8 optimizer steps of the tiny model.
-TINY = {"preset": "tiny", "max_steps": 8, "warmup_steps": 2, "checkpoint_every": 2, "num_samples": 1}
+# Orchestration is under test here, not speed: the tiny model, small eager steps (test_pipeline_e2e.py
+# covers torch.compile), and enough steps and checkpoints for a crash to have something to resume from.
+TINY = {
+    "preset": "tiny", "max_steps": 6, "warmup_steps": 1, "checkpoint_every": 2, "seq_len": 64,
+    "micro_batch_size": 4, "accumulate_steps": 1, "compile": False, "eval_max_blocks": 8, "num_samples": 1,
+    "sample_max_new_tokens": 8,
+}  # fmt: skip
 
 
 @dataclass
@@ -105,6 +113,7 @@ def _explain(run: FlowRun, stack: Stack) -> str:
     return f"flow run {run.name} ended {run.state.name}: {run.state.message}\n{lines}\n{tail(stack.worker_log, 3000)}"
 
 
+@pytest.mark.e2e
 def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: Stack) -> None:
     with get_client(sync_client=True) as client:
         nightly = client.read_deployment_by_name("pretrain/nightly")
@@ -135,6 +144,7 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
     assert set(gpu.parameter_openapi_schema["required"]) == {"model", "dataset", "settings"}
 
 
+@pytest.mark.e2e
 def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> None:
     # Field constraints are in the schema: the server refuses to create the run at all.
     for bad, problem in (({"accumulate_steps": 0}, "accumulate_steps"), ({"no_such_field": 1}, "no_such_field")):
@@ -148,6 +158,7 @@ def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> N
     assert _task_runs(run.id) == []
 
 
+@pytest.mark.e2e
 def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stack) -> None:
     model_name = f"deploy-{uuid.uuid4().hex[:8]}"
     run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name})
@@ -164,16 +175,17 @@ def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stac
 
     mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
     versions = mlflow.search_model_versions(f"name='{model_name}'")
-    assert [v.version for v in versions] == ["1"]
-    assert mlflow.get_model_version_by_alias(model_name, "champion").version == "1"
+    assert [str(v.version) for v in versions] == ["1"]
+    assert str(mlflow.get_model_version_by_alias(model_name, "champion").version) == "1"
     trained = mlflow.get_metric_history(versions[0].run_id, "train/loss")
     assert sorted(m.step for m in trained) == list(range(1, TINY["max_steps"] + 1))
 
 
+@pytest.mark.e2e
 def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stack: Stack) -> None:
     model_name = f"retry-{uuid.uuid4().hex[:8]}"
     # The crash hits before step 5 runs, after the checkpoint of step 4.
-    fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "crash_at_step=5"}}
+    fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "crash_at_step=5"}}  # a job variable: this run only
     run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name, "train_retries": 1}, **fault)
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
@@ -193,6 +205,7 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
     assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
 
 
+@pytest.mark.e2e
 def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     model_name = f"split-{uuid.uuid4().hex[:8]}"
     config = {**TINY, "model_name": model_name, "placement": "deployment", "train_deployment": "train/gpu"}
@@ -215,3 +228,24 @@ def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     (version,) = mlflow.search_model_versions(f"name='{model_name}'")
     steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
     assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
+
+
+@pytest.mark.e2e
+def test_check_placement_names_a_missing_train_deployment(stack: Stack) -> None:
+    check_placement(PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/gpu"))
+    check_placement(PretrainConfig(preset="tiny", train_deployment="train/absent"))  # local: not looked up
+    with pytest.raises(PlacementError, match="'train/absent' does not exist.*prefect --no-prompt deploy"):
+        check_placement(PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/absent"))
+
+
+def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -> None:
+    ref = CheckpointRef(path=str(tmp_path / "step_000008"), run_dir=str(tmp_path), step=8, tokens_seen=16384,
+                        metrics={"train/loss": 5.25})  # fmt: skip
+    write_result(ref, tmp_path, "run-a")
+    assert read_result(tmp_path, "run-a") == ref
+    assert [p.name for p in tmp_path.iterdir()] == [RESULT_FILE]  # no temporary file left behind
+
+    with pytest.raises(SharedStorageError, match="written by flow run run-a, not by run-b"):
+        read_result(tmp_path, "run-b")
+    with pytest.raises(SharedStorageError, match="does not exist here.*shared filesystem"):
+        read_result(tmp_path / "elsewhere", "run-a")
