@@ -80,6 +80,7 @@ class LlamaPyfunc(PythonModel):
             raise ValueError(f"model_config lacks {sorted(missing)}; log the model with register_model().")
         self.eos_id, self.pad_id = int(ids["eos_id"]), int(ids["pad_id"])
         self.max_positions = int(config.max_position_embeddings)
+        self.vocab_size = int(config.vocab_size)
 
     # `model_input` is unannotated on purpose: a hint would replace the logged signature (which takes a
     # list or a DataFrame) with MLflow's type-hint validation. MLflow warns about it once per process.
@@ -110,7 +111,7 @@ class LlamaPyfunc(PythonModel):
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             mask[row, width - len(ids) :] = True
         generator = torch.Generator(device=self.device).manual_seed(int(p["seed"]))
-        top_k = int(p["top_k"]) or None
+        top_k = min(int(p["top_k"]), self.vocab_size) or None  # 0 turns top-k off
         top_p = float(p["top_p"])
         out = generate(
             self.model,

@@ -355,6 +355,7 @@ def test_pyfunc_in_process_takes_dataframes_and_checks_params(
     assert model.predict(pd.DataFrame({"prompt": ["def ", "class "]}), params=greedy) == from_list
     sampling = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 3}
     assert model.predict(["def "], params=sampling) == model.predict(["def "], params=sampling)
+    assert len(model.predict(["def "], params={"top_k": 100_000, "max_new_tokens": 2})) == 1
     with pytest.raises(Exception, match="top_p must be in"):
         model.predict(["def "], params={"top_p": 0.0})
     with pytest.raises(Exception, match="leaves no room for the prompt"):
