@@ -83,8 +83,9 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
     assert all(m["train/recompiles"] == 0 for m in logged.values())
     assert compiled_run.metrics["recompiles"] == 0
     assert [s for s, m in logged.items() if "train/compile_time_s" in m] == [1]
-    # The first step pays for compilation; steady steps of this tiny model take milliseconds.
-    assert compiled_run.metrics["compile_time_s"] > 5 * np.median([m["train/step_time_s"] for m in logged.values()])
+    # The first step pays for compilation and is reported apart from the steady state.
+    assert compiled_run.metrics["compile_time_s"] == logged[1]["train/step_time_s"]
+    assert compiled_run.metrics["compile_time_s"] > np.median([logged[s]["train/step_time_s"] for s in range(2, 11)])
     assert compiled_run.metrics["tokens_per_s"] > 0 and 0 < compiled_run.metrics["mfu"] < 1
 
 
