@@ -8,7 +8,9 @@ first, then ends each one's process group, then the root's.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,6 +118,33 @@ def prefect(args: list[str], env: Mapping[str, str], cwd: Path, timeout_s: float
     if done.returncode != 0:
         raise RuntimeError(f"prefect {' '.join(args)} failed ({done.returncode}):\n{output[-4000:]}")
     return output
+
+
+def deployment_run_cli(
+    deployment: str,
+    params: Mapping[str, object],
+    env: Mapping[str, str],
+    cwd: Path,
+    *,
+    job_variables: Mapping[str, object] | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[UUID, str]:
+    """`prefect deployment run DEPLOYMENT --param k=JSON ... --watch`, as an operator types it.
+
+    Returns the flow run id and the CLI's output; the exit status (0 only for Completed) is left
+    to the caller, who reads the run's state from the API.
+    """
+    args = [PREFECT_CLI, "deployment", "run", deployment, "--watch", "--watch-timeout", str(int(timeout_s))]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    for key, value in (job_variables or {}).items():
+        args += ["--job-variable", f"{key}={json.dumps(value)}"]
+    done = subprocess.run(args, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout_s + 60)
+    output = done.stdout + done.stderr
+    found = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    if found is None:
+        raise RuntimeError(f"no flow run created ({done.returncode}):\n{output[-4000:]}")
+    return UUID(found.group(1)), output
 
 
 @contextlib.contextmanager

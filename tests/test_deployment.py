@@ -30,7 +30,14 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run
+from prefect_server import (
+    deployment_run_cli,
+    prefect,
+    prefect_server,
+    prefect_worker,
+    tail,
+    wait_for_flow_run,
+)
 
 from flows.config import PretrainConfig
 from flows.placement import PlacementError, check_placement
@@ -96,6 +103,14 @@ def _finish(stack: Stack, deployment: str, config: dict[str, Any], **job_variabl
     return wait_for_flow_run(run.id, RUN_TIMEOUT_S, stack.worker_log)
 
 
+def _run_from_cli(stack: Stack, config: dict[str, Any], **job_variables: Any) -> FlowRun:
+    """The documented command: prefect deployment run 'pretrain/adhoc' --param config='{...}' --watch."""
+    flow_run_id, _ = deployment_run_cli(
+        "pretrain/adhoc", {"config": config}, stack.env, REPO, job_variables=job_variables, timeout_s=RUN_TIMEOUT_S
+    )
+    return wait_for_flow_run(flow_run_id, 30, stack.worker_log)
+
+
 def _task_runs(flow_run_id: uuid.UUID) -> list:
     with get_client(sync_client=True) as client:
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
@@ -123,7 +138,10 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [
         ("0 2 * * *", "Europe/Berlin", True)
     ]
-    assert adhoc.schedules == []
+    assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
+    assert nightly.concurrency_options is not None
+    assert nightly.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    assert adhoc.schedules == [] and adhoc.global_concurrency_limit is None
     for dep in (nightly, adhoc, gpu):
         assert dep.work_pool_name == POOL
         assert dep.pull_steps == [
@@ -161,7 +179,7 @@ def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> N
 @pytest.mark.e2e
 def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stack) -> None:
     model_name = f"deploy-{uuid.uuid4().hex[:8]}"
-    run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name})
+    run = _run_from_cli(stack, {**TINY, "model_name": model_name})
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
     with get_client(sync_client=True) as client:
@@ -186,7 +204,7 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
     model_name = f"retry-{uuid.uuid4().hex[:8]}"
     # The crash hits before step 5 runs, after the checkpoint of step 4.
     fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "crash_at_step=5"}}  # a job variable: this run only
-    run = _finish(stack, "pretrain/adhoc", {**TINY, "model_name": model_name, "train_retries": 1}, **fault)
+    run = _run_from_cli(stack, {**TINY, "model_name": model_name, "train_retries": 1}, **fault)
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
     (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
