@@ -82,7 +82,8 @@ def hf_config_dict(config: LlamaConfig, torch_dtype: torch.dtype, special_ids: d
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}
         if config.rope_scaling is None
         else {**config.rope_scaling, "rope_theta": config.rope_theta},
-        "torch_dtype": str(torch_dtype).removeprefix("torch."),
+        "torch_dtype": str(torch_dtype).removeprefix("torch."),  # the name before transformers 4.56
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"),

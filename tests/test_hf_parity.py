@@ -60,7 +60,7 @@ def hf_config(case: str) -> transformers.LlamaConfig:
     )
 
 
-def load_hf(path: Path) -> tuple[transformers.LlamaForCausalLM, dict, str]:
+def load_hf(path: Path, attn: str = "sdpa") -> tuple[transformers.LlamaForCausalLM, dict, str]:
     """from_pretrained with its loading report and everything transformers logged meanwhile."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -68,7 +68,7 @@ def load_hf(path: Path) -> tuple[transformers.LlamaForCausalLM, dict, str]:
     logger.addHandler(handler)
     try:
         model, info = transformers.LlamaForCausalLM.from_pretrained(
-            path, attn_implementation="sdpa", output_loading_info=True
+            path, attn_implementation=attn, output_loading_info=True
         )
     finally:
         logger.removeHandler(handler)
@@ -81,11 +81,11 @@ def assert_clean_load(info: dict, log: str) -> None:
         assert word not in log, log
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_our_export_loads_in_transformers_with_identical_logits(case: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("case", "attn"), [(case, "sdpa") for case in sorted(CASES)] + [("gqa", "eager")])
+def test_our_export_loads_in_transformers_with_identical_logits(case: str, attn: str, tmp_path: Path) -> None:
     model = ours(case)
     export_hf(model, tmp_path)
-    hf, info, log = load_hf(tmp_path)
+    hf, info, log = load_hf(tmp_path, attn)
     assert_clean_load(info, log)
     assert hf.config.num_key_value_heads == model.config.num_key_value_heads
     ids = torch.randint(0, 512, (2, 48))
