@@ -1,4 +1,16 @@
-"""A Llama decoder in pure PyTorch, with safetensors weights and Hugging Face interchange."""
+"""A Llama decoder in pure PyTorch, with safetensors weights and Hugging Face interchange.
+
+    config = get_preset("demo", vocab_size=tokenizer_vocab)     # LlamaConfig, HF field names
+    model = LlamaForPretraining(config)                         # normal(0, initializer_range) init
+    load_weights(model, "ckpt/model.safetensors")               # into the PLAIN module, then:
+    compiled = torch.compile(model)
+    logits = compiled(input_ids)                                # (B, T, vocab), autocast dtype; no loss
+    save_weights(compiled, "out/model.safetensors")             # unwrapped keys, tied head stored once
+    export_hf(model, "hf_dir", tokenizer="tokenizer.json")      # LlamaForCausalLM.from_pretrained-able
+    generate(model, ids, mask, max_new_tokens=64, temperature=0.8, top_k=50, eos_token_id=eos)
+
+Nothing here imports Prefect, MLflow or the pipeline's tasks.
+"""
 
 from model.config import (
     PRESETS,
