@@ -309,3 +309,17 @@ def test_run_length_from_epochs_and_max_steps(tmp_path: Path) -> None:
     assert total_optimizer_steps(29, 1, 4, 2, epochs=1.0) == 4  # 2 ranks x 4 x 1 = the same global batch
     with pytest.raises(ValueError, match="epochs, max_steps or both"):
         TrainSettings(micro_batch_size=1, epochs=None, checkpoint_dir=str(tmp_path))
+
+
+def test_injected_crash_happens_once_and_the_retry_resumes(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "crash_at_step=3")
+    run = settings(tmp_path, checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="injected crash before step 3"):
+        train(model_ref, dataset, run, progress=False)
+    retried = train(model_ref, dataset, run, progress=False)  # what a Prefect retry does
+    assert retried.step == 8 and retried.metrics["steps_this_run"] == 6
+    monkeypatch.setenv(ENV_VAR, "explode_at_step=1")
+    with pytest.raises(ValueError, match="expected comma-separated NAME=STEP"):
+        train(model_ref, dataset, settings(tmp_path, "other"), progress=False)
