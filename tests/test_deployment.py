@@ -116,6 +116,11 @@ def _task_runs(flow_run_id: uuid.UUID) -> list:
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+def _run_dir(run: FlowRun) -> Path:
+    """The flow's default checkpoint directory: one per flow run, under LLAMAFLOW_HOME (same for the worker)."""
+    return Path(os.environ["LLAMAFLOW_HOME"]) / "runs" / str(run.id)
+
+
 def _task_name(task_run: Any) -> str:
     """The task's own name: Prefect names its runs NAME-<counter>."""
     return task_run.name.rsplit("-", 1)[0]
@@ -197,6 +202,8 @@ def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stac
     assert str(mlflow.get_model_version_by_alias(model_name, "champion").version) == "1"
     trained = mlflow.get_metric_history(versions[0].run_id, "train/loss")
     assert sorted(m.step for m in trained) == list(range(1, TINY["max_steps"] + 1))
+    # Checkpoints went to this flow run's own directory, so concurrent runs never share one.
+    assert list(_run_dir(run).glob("step_*/model.safetensors"))
 
 
 @pytest.mark.e2e
@@ -214,6 +221,7 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
     assert "AwaitingRetry" in history and history[-1] == "Completed"
     assert any("injected crash before step 5" in log.message for log in logs)
+    assert (_run_dir(run) / ".fault-crash-at-5").exists()
     assert any("resuming from checkpoint" in log.message and "at step 4/" in log.message for log in logs)
 
     # Resumed, not restarted: every step reached MLflow exactly once.
@@ -241,6 +249,8 @@ def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     parent_tasks = {_task_name(t) for t in _task_runs(run.id)}
     assert "train" in child_tasks and not child_tasks & {"train_tokenizer", "build_dataset"}
     assert "train" not in parent_tasks and {"train_tokenizer", "build_dataset"} <= parent_tasks
+    # The child trained into the parent's run directory and handed its CheckpointRef back there.
+    assert read_result(_run_dir(run), str(children[0].id)).step == TINY["max_steps"]
 
     mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
     (version,) = mlflow.search_model_versions(f"name='{model_name}'")
