@@ -82,6 +82,7 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
     logged = read_metrics(compiled_run.run_dir)
     assert all(m["train/recompiles"] == 0 for m in logged.values())
     assert compiled_run.metrics["recompiles"] == 0
+    assert compiled_run.metrics["compiles"] >= 1 and eager.metrics["compiles"] == 0  # the counter does count
     assert [s for s, m in logged.items() if "train/compile_time_s" in m] == [1]
     # The first step pays for compilation and is reported apart from the steady state.
     assert compiled_run.metrics["compile_time_s"] == logged[1]["train/step_time_s"]
@@ -146,3 +147,19 @@ def test_sigterm_stops_after_a_checkpoint(refs: tuple[ModelRef, DatasetRef], tmp
     [(step, path)] = checkpoint_dirs(Path(settings.checkpoint_dir))
     assert 1 <= step < 2000 and checkpoint_problem(path) is None
     assert max(read_metrics(settings.checkpoint_dir)) == step
+
+
+def test_compile_watch_counts_a_recompile() -> None:
+    from tasks.training.engine import _CompileWatch
+
+    def affine(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    compiled = torch.compile(affine, dynamic=False)
+    with _CompileWatch().watching() as watch:
+        compiled(torch.ones(3))
+        first = watch.count
+        compiled(torch.ones(3))
+        assert watch.count == first == 1  # same shape: no new compile
+        compiled(torch.ones(5))
+        assert watch.count == 2  # new shape: a recompile

@@ -258,6 +258,7 @@ class _Loop:
         self.steady_time = 0.0
         self.last_loss = float("nan")
         self.last_metrics: dict[str, float] = {}
+        self.compile_watch = _CompileWatch()
 
     def _autocast(self) -> AbstractContextManager:
         if self.settings.dtype == "bf16":
@@ -266,7 +267,7 @@ class _Loop:
 
     def run(self) -> CheckpointRef:
         started = time.perf_counter()
-        watch = _CompileWatch()
+        watch = self.compile_watch
         signals = _StopSignals()
         bar = tqdm(
             total=self.total_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
@@ -401,6 +402,7 @@ class _Loop:
             "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
             "compile_time_s": self.compile_time_s or 0.0,
             "recompiles": float(recompiles),
+            "compiles": float(self.compile_watch.count),  # frames torch.compile compiled in this process's run
             "steps_this_run": float(self.step - self.start_step),
             "total_steps": float(self.total_steps),
             "peak_mem_mb": self.last_metrics.get("train/peak_mem_mb", 0.0),
