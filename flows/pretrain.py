@@ -60,7 +60,7 @@ def _run_identity(config: PretrainConfig) -> tuple[str, str]:
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     log = get_run_logger()
-    uri = tracking.check_tracking_store()
+    uri = tracking.use_tracking_uri()  # fails here, in seconds, when the store is unreachable
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
     checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_key)
@@ -90,7 +90,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         registered = register_task(
             run_id=run_id, checkpoint=checkpoint, tokenizer=tokenizer, dataset=dataset,
             eval_result=evaluation, model_name=config.model_name, alias=config.alias,
-            eval_max_blocks=config.eval_max_blocks, eval_dtype=config.dtype,
+            eval_max_blocks=config.eval_max_blocks, eval_dtype=config.dtype, eval_device=config.device,
         )  # fmt: skip
     except BaseException:
         tracking.end_run(run_id, "FAILED")

@@ -69,13 +69,7 @@ def build_model(model_config: dict[str, Any], *, seed: int, init_checkpoint: str
         torch.manual_seed(seed)
         model = LlamaForPretraining(config)
         if init is not None:
-            try:
-                load_weights(model, init)
-            except RuntimeError as err:
-                raise ValueError(
-                    f"init_checkpoint {init} does not fit the model {config.to_dict()}: {err}. "
-                    "Use the same model preset and overrides as the run that wrote it."
-                ) from err
+            load_weights(model, init)  # a clear error names any shape mismatch
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{fingerprint}-", dir=out.parent))
         save_weights(model, tmp / WEIGHTS)

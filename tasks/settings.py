@@ -55,6 +55,8 @@ def apply_environment_defaults() -> None:
         # A new ephemeral database took 13-15 s to start here and once passed Prefect's 20 s limit.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "TOKENIZERS_PARALLELISM": "false",
+        # Per-file download bars of MLflow's local artifact copies say nothing a user needs.
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
         "TORCHINDUCTOR_CACHE_DIR": str(home() / "inductor-cache"),
     }
     for key, value in defaults.items():
@@ -62,4 +64,4 @@ def apply_environment_defaults() -> None:
     import warnings
 
     # SQLAlchemy 2.1 deprecates a loader strategy MLflow still uses; nothing for a user to act on.
-    warnings.filterwarnings("ignore", message="The noload loader strategy is deprecated")
+    warnings.filterwarnings("ignore", message=".*noload.* loader strategy is deprecated")

@@ -76,17 +76,28 @@ def train_model(
     """Train `model` on `dataset`; metrics go to MLflow run `run_id` when given."""
     train_settings = TrainSettings(**settings)
     sinks: list[MetricSink] = [PrefectProgress(train_settings.max_steps, log_interval_s)]
-    mlflow_sink = None
+    mlflow_sink, monitor = None, None
     if run_id is not None:
-        from tasks.tracking import MlflowSink
+        from tasks.tracking import MlflowSink, start_system_metrics
 
         mlflow_sink = MlflowSink(run_id)
         sinks.append(mlflow_sink)
+        monitor = start_system_metrics(run_id)
     try:
-        return train(model, dataset, train_settings, FanOut(sinks))
-    finally:
+        checkpoint = train(model, dataset, train_settings, FanOut(sinks))
+    except BaseException:
         if mlflow_sink is not None:
-            mlflow_sink.close()
+            try:
+                mlflow_sink.close()
+            except Exception as err:  # the training error is the one to report
+                _logger().warning(f"could not write the last metrics to MLflow: {err}")
+        raise
+    finally:
+        if monitor is not None:
+            monitor.finish()
+    if mlflow_sink is not None:
+        mlflow_sink.close()
+    return checkpoint
 
 
 train_task = task(train_model, name="train", retries=1, retry_delay_seconds=2)

@@ -61,7 +61,7 @@ def test_build_model_is_deterministic_and_cached(tmp_path: Path) -> None:
 def test_init_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) -> None:
     _, ckpt = _trained_looking_checkpoint(tmp_path)
     other = get_preset("tiny", vocab_size=1024).to_dict()
-    with pytest.raises(ValueError, match="does not fit the model"):
+    with pytest.raises(ValueError, match="do not fit this model"):
         build_model(other, seed=0, init_checkpoint=str(ckpt))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 
 from flows.config import PretrainConfig
 from flows.pretrain import PretrainResult, pretrain
-from model import LlamaForPretraining, LlamaConfig, load_weights
+from model import LlamaConfig, LlamaForPretraining, load_weights
 from tasks import settings
 from tasks.build import load_plain_model
 from tasks.evaluate import mean_token_loss
@@ -39,7 +40,7 @@ def test_flow_registers_a_champion_and_learns(tiny_run: PretrainResult) -> None:
     assert tiny_run.model_uri.startswith("models:/e2e-tiny")
     assert tiny_run.registered.promoted
     ev = tiny_run.evaluation
-    assert ev.initial_val_loss is not None and ev.val_loss < ev.initial_val_loss - 1.0
+    assert ev.initial_val_loss is not None and ev.val_loss < ev.initial_val_loss - 1.0  # 7.6 → ~6.1 measured
     run = client.get_run(tiny_run.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["seq_len"] == "128"
@@ -60,7 +61,7 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
     assert state and not any(k.startswith("_orig_mod.") for k in state)
 
     config_file = next(local.rglob("config.json"))
-    fresh = LlamaForPretraining(LlamaConfig.from_json(config_file.read_text()) if hasattr(LlamaConfig, "from_json") else LlamaConfig.from_dict(__import__("json").loads(config_file.read_text())))
+    fresh = LlamaForPretraining(LlamaConfig.from_dict(json.loads(config_file.read_text())))
     load_weights(fresh, weights[0])
     trained = load_plain_model(tiny_run.checkpoint.path)
     batch = torch.randint(0, tiny_run.tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
