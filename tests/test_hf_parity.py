@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model import LlamaForPretraining, export_hf, get_preset, import_hf
+from model import LlamaForPretraining, export_hf, generate, get_preset, import_hf
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -196,3 +196,18 @@ def test_import_refuses_pickles_and_other_architectures(tmp_path: Path) -> None:
         import_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         import_hf(tmp_path / "nowhere")
+
+
+def test_greedy_generation_matches_transformers_generate(tmp_path: Path) -> None:
+    model = ours("gqa")
+    export_hf(model, tmp_path)
+    hf, _, _ = load_hf(tmp_path)
+    ids = torch.randint(3, 512, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    ids[1, :5] = 2
+    mine = generate(model, ids, mask, max_new_tokens=10, temperature=0, pad_token_id=2)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=2)
+    assert torch.equal(mine, theirs)
+    assert mine[:, 12:].unique().numel() > 2
