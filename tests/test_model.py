@@ -203,6 +203,21 @@ def test_weights_round_trip_tied_and_untied(tmp_path) -> None:
         assert (fresh.lm_head.weight is fresh.model.embed_tokens.weight) is tied
 
 
+def test_unwrap_strips_ddp_and_compile_wrappers(tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.compile(DistributedDataParallel(model))
+        assert unwrap(wrapped) is model
+        keys = load_file(save_weights(wrapped, tmp_path / "ddp.safetensors"))
+        assert set(keys) == set(load_file(save_weights(model, tmp_path / "plain.safetensors")))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_load_weights_refuses_a_mismatched_model_and_pickles(tmp_path) -> None:
     path = save_weights(tiny(), tmp_path / "w.safetensors")
     with pytest.raises(ValueError, match="Build the model with the config the weights were saved with"):
