@@ -28,6 +28,11 @@ def _check_arguments(
         raise ValueError(f"top_k must be None or >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
+    vocab = model.config.vocab_size
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(
+            f"input_ids hold ids outside [0, {vocab}); encode with the tokenizer the model was trained with"
+        )
     limit = model.config.max_position_embeddings
     if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(

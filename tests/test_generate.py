@@ -131,6 +131,8 @@ def test_bad_arguments_fail_before_any_work(model: LlamaForPretraining) -> None:
         generate(model, ids, max_new_tokens=4, top_p=0)
     with pytest.raises(ValueError, match="top_k"):
         generate(model, ids, max_new_tokens=4, top_k=0)
+    with pytest.raises(ValueError, match=r"outside \[0, 512\)"):
+        generate(model, ids + 600, max_new_tokens=4)
     assert torch.equal(generate(model, ids, max_new_tokens=0), ids)
 
 
