@@ -9,7 +9,7 @@ LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md ex
 from __future__ import annotations
 
 from flows.config import PretrainConfig
-from flows.train_remote import read_result
+from flows.train_remote import read_result, retry_unless_stopped
 from tasks import settings as project_settings
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
@@ -40,10 +40,13 @@ def check_placement(config: PretrainConfig) -> None:
 def run_training(
     config: PretrainConfig, model: ModelRef, dataset: DatasetRef, checkpoint_dir: str, run_id: str
 ) -> CheckpointRef:
-    """Train where `config.placement` says; a retry resumes from the newest checkpoint in `checkpoint_dir`."""
+    """Train where `config.placement` says; a retry resumes from the newest checkpoint in `checkpoint_dir`.
+
+    A stop (cancellation, SIGTERM, Ctrl-C) is not retried: training checkpoints and the run ends.
+    """
     train_settings = config.train_settings(checkpoint_dir)
     if config.placement == "local":
-        return train_task.with_options(retries=config.train_retries)(
+        return train_task.with_options(retries=config.train_retries, retry_condition_fn=retry_unless_stopped)(
             model, dataset, train_settings, run_id=run_id
         )
     return train_on_deployment(

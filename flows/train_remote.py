@@ -19,8 +19,24 @@ from prefect.context import FlowRunContext
 from tasks import tracking
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
+from tasks.training import TrainingInterrupted
 
 RESULT_FILE = "train-result.json"
+
+
+def retry_unless_stopped(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the train task: retry crashes and errors, never a deliberate stop.
+
+    Cancelling a run sends SIGTERM; training stops after a checkpoint and raises TrainingInterrupted.
+    Retrying that would resume training in a run that is being cancelled, until Prefect's SIGKILL.
+    """
+    try:
+        state.result()
+    except TrainingInterrupted:
+        return False
+    except BaseException:
+        return True
+    return True
 
 
 class SharedStorageError(RuntimeError):
@@ -88,7 +104,9 @@ def train(
         # Metrics go to the store the parent opened the run in, whatever this worker's default is.
         os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     _check_inputs(model, dataset, run_id, tracking_uri)
-    checkpoint = train_task.with_options(retries=retries)(model, dataset, settings, run_id=run_id)
+    checkpoint = train_task.with_options(retries=retries, retry_condition_fn=retry_unless_stopped)(
+        model, dataset, settings, run_id=run_id
+    )
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     where = write_result(checkpoint, settings["checkpoint_dir"], flow_run_id)

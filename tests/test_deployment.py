@@ -8,6 +8,7 @@ its own flow runs through the API, as an operator or a schedule would.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -256,6 +257,34 @@ def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     (version,) = mlflow.search_model_versions(f"name='{model_name}'")
     steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
     assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
+
+
+@pytest.mark.e2e
+def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stack: Stack) -> None:
+    run = _start("pretrain/adhoc", {"config": {**TINY, "max_steps": 500, "model_name": "cancelled"}})
+    run_dir = _run_dir(run)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not list(run_dir.glob("step_*/model.safetensors")):
+        assert time.monotonic() < deadline, f"no checkpoint after {RUN_TIMEOUT_S} s\n{tail(stack.worker_log)}"
+        time.sleep(0.5)
+
+    prefect(["flow-run", "cancel", str(run.id)], stack.env, REPO)
+    cancelled_at = time.monotonic()
+    run = wait_for_flow_run(run.id, 120, stack.worker_log)
+    took_s = time.monotonic() - cancelled_at
+    assert run.state.name == "Cancelled", _explain(run, stack)
+
+    # SIGTERM made training stop after its step with a checkpoint; the retry policy did not restart it.
+    (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
+    assert train.run_count == 1
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    stops = [m for m in logs if "training stopped by SIGTERM after step" in m]
+    assert stops and not any("resuming from checkpoint" in m for m in logs)
+    step = int(stops[0].split("after step ")[1].split(";")[0])
+    assert (run_dir / f"step_{step:06d}" / "model.safetensors").is_file()
+    # It exited on its own: Prefect's SIGKILL comes 30 s after SIGTERM.
+    assert took_s < 30, f"cancellation took {took_s:.0f} s"
 
 
 @pytest.mark.e2e
