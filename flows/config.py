@@ -173,4 +173,7 @@ class PretrainConfig(BaseModel):
             "warmup_steps", "schedule", "weight_decay", "grad_clip", "seed", "compile", "dtype",
             "device", "checkpoint_every", "keep_checkpoints", "nproc_per_node",
         )  # fmt: skip
-        return {**{k: getattr(self, k) for k in keys}, "checkpoint_dir": checkpoint_dir}
+        settings = {k: getattr(self, k) for k in keys}
+        if self.max_steps is not None:  # max_steps alone sets the run length; epochs only without it
+            settings["epochs"] = None
+        return {**settings, "checkpoint_dir": checkpoint_dir}

@@ -27,6 +27,8 @@ def test_train_settings_carry_the_optimisation_fields() -> None:
     settings = cfg.train_settings("/tmp/x")
     assert settings["accumulate_steps"] == 3 and settings["compile"] is False
     assert settings["checkpoint_dir"] == "/tmp/x"
+    assert settings["epochs"] is None  # max_steps is set, so it alone decides the run length
+    assert PretrainConfig(preset="tiny", max_steps=None).train_settings("/tmp/x")["epochs"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ def tiny_run(prefect_api, tmp_path_factory) -> PretrainResult:
 def test_flow_registers_a_champion_and_learns(tiny_run: PretrainResult) -> None:
     client = MlflowClient(settings.tracking_uri())
     version = client.get_model_version_by_alias("e2e-tiny", "champion")
-    assert version.version == tiny_run.registered.version
+    assert str(version.version) == tiny_run.registered.version
     assert tiny_run.model_uri.startswith("models:/e2e-tiny")
     assert tiny_run.registered.promoted
     ev = tiny_run.evaluation
