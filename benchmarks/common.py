@@ -59,7 +59,9 @@ def cpu_isa_flags() -> list[str]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 flags = line.split(":", 1)[1].split()
-                return sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+                return sorted(
+                    f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+                )
     except OSError:
         pass
     return []

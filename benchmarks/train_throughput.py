@@ -62,7 +62,13 @@ VARIANTS: dict[str, tuple[str, bool, str]] = {
     "ours-compiled-bf16-loss-in-graph": ("ours", True, "bf16"),
     "ours-compiled-fp32": ("ours", True, "fp32"),
 }
-DEFAULT_VARIANTS = ["ours-eager-fp32", "ours-eager-bf16", "ours-compiled-bf16", "hf-eager-bf16", "hf-compiled-bf16"]
+DEFAULT_VARIANTS = [
+    "ours-eager-fp32",
+    "ours-eager-bf16",
+    "ours-compiled-bf16",
+    "hf-eager-bf16",
+    "hf-compiled-bf16",
+]
 # First-step loss tolerance against the float32 reference. Mean CE of ~2k tokens at init is ~ln(vocab);
 # bf16 autocast moves it by a few 1e-3, a wrong weight copy or mask by far more than this.
 BF16_LOSS_TOLERANCE = 2e-2
@@ -105,7 +111,9 @@ def make_step(
 ) -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:  # fmt: skip
     """(the module that runs forward, a function doing one full training step and returning the loss)."""
     autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if dtype == "bf16"
+        else contextlib.nullcontext
     )
 
     def logits_of(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -146,7 +154,9 @@ def build_variants(
     reference = LlamaForPretraining(config)  # every variant starts from these weights
     reference_state = {k: v.clone() for k, v in reference.state_dict().items()}
     hf_template = build_hf(reference, work) if any(VARIANTS[n][0] == "hf" for n in names) else None
-    hf_state = {k: v.clone() for k, v in hf_template.state_dict().items()} if hf_template is not None else None
+    hf_state = (
+        {k: v.clone() for k, v in hf_template.state_dict().items()} if hf_template is not None else None
+    )
     variants = []
     for name in names:
         impl, compiled, dtype = VARIANTS[name]
@@ -169,7 +179,9 @@ def build_variants(
     return variants
 
 
-def timed_step(variant: Variant, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[float, float]:
+def timed_step(
+    variant: Variant, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> tuple[float, float]:
     synchronize(device)
     start = time.perf_counter()
     loss = variant.step_fn(*batch)
@@ -196,7 +208,9 @@ def check_first_losses(variants: list[Variant]) -> dict[str, Any]:
     return {"reference": reference.name, "abs_delta": deltas}
 
 
-def make_batches(n: int, batch: int, seq_len: int, vocab: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    n: int, batch: int, seq_len: int, vocab: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
@@ -206,7 +220,9 @@ def make_batches(n: int, batch: int, seq_len: int, vocab: int, device: torch.dev
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="demo", help="model preset (tiny, demo, small, 125m, 350m, 1b)")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
     parser.add_argument("--batch", type=int, default=8)
@@ -267,8 +283,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.batch} x {args.seq_len}, {threads} threads, device {device}, load average {load_before}", flush=True)  # fmt: skip
 
     peak_n = args.peak_size or 4096
-    peaks = {dt: matmul_peak(device, getattr(torch, name), peak_n) for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
-    spec = {dt: gpu_spec_peak(device, getattr(torch, name)) for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"))}
+    peaks = {
+        dt: matmul_peak(device, getattr(torch, name), peak_n)
+        for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"))
+    }
+    spec = {
+        dt: gpu_spec_peak(device, getattr(torch, name))
+        for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"))
+    }
     print(f"matmul {peak_n}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
           f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s", flush=True)  # fmt: skip
 
@@ -322,7 +344,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     by_name = {row["variant"]: row for row in rows}
 
     def ratio(a: str, b: str) -> float | None:
-        return round(by_name[a]["tokens_per_s"] / by_name[b]["tokens_per_s"], 3) if a in by_name and b in by_name else None
+        return (
+            round(by_name[a]["tokens_per_s"] / by_name[b]["tokens_per_s"], 3)
+            if a in by_name and b in by_name
+            else None
+        )
 
     return {
         "benchmark": "train_throughput",
