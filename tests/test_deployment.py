@@ -79,6 +79,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "MLFLOW_TRACKING_URI": tracking_uri,
         "LLAMAFLOW_HOME": os.environ["LLAMAFLOW_HOME"],
         "LLAMAFLOW_MLRUNS": os.environ["LLAMAFLOW_MLRUNS"],
+        # How soon the server cancels subflows of a cancelled run (default 20 s).
+        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
     }
     with prefect_server(root / "prefect", base_env) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
@@ -285,6 +287,31 @@ def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stac
     assert (run_dir / f"step_{step:06d}" / "model.safetensors").is_file()
     # It exited on its own: Prefect's SIGKILL comes 30 s after SIGTERM.
     assert took_s < 30, f"cancellation took {took_s:.0f} s"
+
+
+@pytest.mark.e2e
+def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: Stack) -> None:
+    config = {**TINY, "max_steps": 500, "model_name": "cancelled-split", "placement": "deployment"}
+    run = _start("pretrain/adhoc", {"config": config})
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not list(_run_dir(run).glob("step_*/model.safetensors")):
+        assert time.monotonic() < deadline, f"no checkpoint after {RUN_TIMEOUT_S} s\n{tail(stack.worker_log)}"
+        time.sleep(0.5)
+
+    prefect(["flow-run", "cancel", str(run.id)], stack.env, REPO)
+    run = wait_for_flow_run(run.id, 120, stack.worker_log)
+    assert run.state.name == "Cancelled", _explain(run, stack)
+    with get_client(sync_client=True) as client:
+        (child,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+        )
+    child = wait_for_flow_run(child.id, 120, stack.worker_log)
+    assert child.state.name == "Cancelled", _explain(child, stack)
+    (train,) = [t for t in _task_runs(child.id) if _task_name(t) == "train"]
+    assert train.run_count == 1 and train.state.is_failed()
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id])))]
+    assert any("training stopped by SIGTERM after step" in m for m in logs)
 
 
 @pytest.mark.e2e
