@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from tasks import settings as project_settings
 from tasks import tracking
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
-from tasks.training import TrainingInterrupted
+from tasks.training import TrainingInterrupted, TrainSettings
 
 RESULT_FILE = "train-result.json"
 
@@ -70,6 +73,21 @@ def read_result(checkpoint_dir: str | Path, flow_run_id: str) -> CheckpointRef:
     return CheckpointRef.model_validate(payload["checkpoint"])
 
 
+@contextmanager
+def _tracking_uri(uri: str | None) -> Iterator[None]:
+    """Metrics go to the store the parent opened the run in, whatever this worker's default is."""
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
 def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, tracking_uri: str | None) -> None:
     """Fail in seconds, before any compile, when this machine cannot see the parent's inputs."""
     missing = [p for p in (Path(model.path), Path(dataset.path)) if not p.exists()]
@@ -79,6 +97,7 @@ def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, trac
             "deployment must share storage at the same path (set LLAMAFLOW_HOME to a shared mount on both)"
         )
     if run_id is not None:
+        tracking_uri = tracking_uri or project_settings.tracking_uri()
         try:
             tracking.run_status(run_id, tracking_uri)
         except Exception as err:  # MLflow raises its own exception types per store
@@ -100,13 +119,12 @@ def train(
     """Train `model` on `dataset` (TrainSettings fields in `settings`); retries resume from the newest checkpoint."""
     if "checkpoint_dir" not in settings:
         raise ValueError("settings must name a checkpoint_dir both flows can read; the pretrain flow sets it")
-    if tracking_uri:
-        # Metrics go to the store the parent opened the run in, whatever this worker's default is.
-        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    TrainSettings(**settings)  # a bad value fails here, before the input checks and the compile
     _check_inputs(model, dataset, run_id, tracking_uri)
-    checkpoint = train_task.with_options(retries=retries, retry_condition_fn=retry_unless_stopped)(
-        model, dataset, settings, run_id=run_id
-    )
+    with _tracking_uri(tracking_uri):
+        checkpoint = train_task.with_options(retries=retries, retry_condition_fn=retry_unless_stopped)(
+            model, dataset, settings, run_id=run_id
+        )
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     where = write_result(checkpoint, settings["checkpoint_dir"], flow_run_id)

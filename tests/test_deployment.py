@@ -42,8 +42,8 @@ from prefect_server import (
 
 from flows.config import PretrainConfig
 from flows.placement import PlacementError, check_placement
-from flows.train_remote import RESULT_FILE, SharedStorageError, read_result, write_result
-from tasks.refs import CheckpointRef
+from flows.train_remote import RESULT_FILE, SharedStorageError, read_result, train, write_result
+from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 
 # SQLAlchemy 2.1 deprecates a loader MLflow uses; the message quotes it as ``noload``.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
@@ -333,3 +333,22 @@ def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -
         read_result(tmp_path, "run-b")
     with pytest.raises(SharedStorageError, match="does not exist here.*shared filesystem"):
         read_result(tmp_path / "elsewhere", "run-a")
+
+
+def test_train_flow_refuses_inputs_it_cannot_see_before_any_work(tmp_path: Path) -> None:
+    """The train deployment on another machine: missing shared paths or bad settings fail in its first second."""
+    model = ModelRef(path=str(tmp_path / "model"), fingerprint="m", n_params=1)
+    dataset = DatasetRef(path=str(tmp_path / "data"), fingerprint="d", seq_len=64, vocab_size=2048,
+                         train_blocks=1, val_blocks=1, train_tokens=64, val_tokens=64)  # fmt: skip
+    settings = {"micro_batch_size": 4, "checkpoint_dir": str(tmp_path / "ckpt")}
+    with pytest.raises(SharedStorageError, match=r"model, .*data not found on this worker.*LLAMAFLOW_HOME"):
+        train.fn(model, dataset, settings)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        train.fn(model, dataset, {**settings, "micro_batch_size": 0})
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        train.fn(model, dataset, {"micro_batch_size": 4})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data").mkdir()
+    elsewhere = f"sqlite:///{tmp_path / 'other-mlflow.db'}"
+    with pytest.raises(SharedStorageError, match="MLflow run 0+ is not in the tracking store sqlite:///"):
+        train.fn(model, dataset, settings, run_id="0" * 32, tracking_uri=elsewhere)
