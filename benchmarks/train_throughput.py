@@ -72,6 +72,13 @@ DEFAULT_VARIANTS = [
 # First-step loss tolerance against the float32 reference. Mean CE of ~2k tokens at init is ~ln(vocab);
 # bf16 autocast moves it by a few 1e-3, a wrong weight copy or mask by far more than this.
 BF16_LOSS_TOLERANCE = 2e-2
+# AdamW implementations: "fused" (one kernel over all tensors; CPU and CUDA), "foreach" (multi-tensor ops),
+# "for-loop" (a Python loop over the parameters: torch's default for CPU tensors).
+OPTIMIZER_IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "for-loop": {"foreach": False},
+}
 FP32_LOSS_TOLERANCE = 1e-4
 
 
@@ -148,7 +155,7 @@ def make_step(
 
 def build_variants(
     names: list[str], config: LlamaConfig, device: torch.device, work: Path, compile_kwargs: dict[str, Any],
-    lr: float,
+    lr: float, optimizer_impl: str,
 ) -> list[Variant]:  # fmt: skip
     torch.manual_seed(0)
     reference = LlamaForPretraining(config)  # every variant starts from these weights
@@ -170,7 +177,7 @@ def build_variants(
             model.config.use_cache = False
         model.to(device).train()
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True if device.type == "cuda" else None
+            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **OPTIMIZER_IMPLEMENTATIONS[optimizer_impl]
         )  # fmt: skip
         runner, step = make_step(
             model, optimizer, impl, dtype, device, compiled, name.endswith("loss-in-graph"), compile_kwargs
@@ -187,6 +194,26 @@ def timed_step(
     loss = variant.step_fn(*batch)
     synchronize(device)
     return time.perf_counter() - start, float(loss)
+
+
+def profile_step(
+    variant: Variant, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, top: int
+) -> list[dict[str, Any]]:
+    """The `top` ops of one training step by self time (CPU, or CUDA kernels on a GPU), with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_step(variant, batch, device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [
+        {"op": e.key, "self_ms": round(getattr(e, attr) / 1000, 3), "share": round(getattr(e, attr) / total, 4),
+         "calls": e.count}
+        for e in events[:top]
+    ]  # fmt: skip
 
 
 def check_first_losses(variants: list[Variant]) -> dict[str, Any]:
@@ -240,8 +267,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch.use_deterministic_algorithms(True), as the training engine sets on CPU")  # fmt: skip
     parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 4096)")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--optimizer", default="fused", choices=list(OPTIMIZER_IMPLEMENTATIONS),
+                        help="AdamW implementation, the same for every variant (default: fused)")  # fmt: skip
     parser.add_argument("--tag", default="", help="suffix of the result files (default: none)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile one step of each variant and keep its top N ops by self time")  # fmt: skip
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -298,7 +329,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_batches = 1 + args.warmup + args.steps
     batches = make_batches(n_batches, args.batch, args.seq_len, config.vocab_size, device)
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        variants = build_variants(args.variant_names, config, device, Path(tmp), compile_kwargs, args.lr)
+        variants = build_variants(
+            args.variant_names, config, device, Path(tmp), compile_kwargs, args.lr, args.optimizer
+        )
 
     # First step (compiles) on the same batch from the same weights: its losses must agree.
     for v in variants:
@@ -319,6 +352,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{v.name} {tokens_per_step / v.round_medians_s[-1]:,.0f}" for v in variants
         ) + f" tokens/s; load {round_loads[-1]}", flush=True)  # fmt: skip
     load_after = load_average()
+    profiles = (
+        {v.name: profile_step(v, batches[1], device, args.profile) for v in variants} if args.profile else {}
+    )
 
     fpt = flops_per_token(config, args.seq_len)
     rows = []
@@ -331,6 +367,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s_p10_p90": [round(tokens_per_step / percentile(v.step_s, 0.9), 1),
                                      round(tokens_per_step / percentile(v.step_s, 0.1), 1)],
             "step_ms_median": round(1000 * median, 2),
+            # The fastest step: what the machine does when nothing else runs; robust to contention.
+            "tokens_per_s_best": round(tokens_per_step / min(v.step_s), 1),
             "round_tokens_per_s": [round(tokens_per_step / m, 1) for m in v.round_medians_s],
             "first_step_s": round(v.first_step_s, 3),
             "warmup_steps_s": [round(t, 3) for t in v.warmup_s],
@@ -340,6 +378,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }  # fmt: skip
         if spec[v.dtype] is not None:
             row["mfu_spec_peak"] = round(fpt * tps / spec[v.dtype], 4)
+        if v.name in profiles:
+            row["profile_top_ops"] = profiles[v.name]
         rows.append(row)
     by_name = {row["variant"]: row for row in rows}
 
@@ -357,6 +397,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch, "seq_len": args.seq_len, "tokens_per_step": tokens_per_step,
         "steps_per_round": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup,
         "compile_mode": args.compile_mode or "default", "deterministic": args.deterministic,
+        "optimizer": f"AdamW ({args.optimizer})",
         "device": str(device), "machine": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_after, "per_round": round_loads},
         "flops_per_token": fpt,
@@ -376,12 +417,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     has_spec = any("mfu_spec_peak" in r for r in result["rows"])
-    headers = ["variant", "tokens/s (median)", "p10–p90", "step ms", "first step s", "first loss",
+    headers = ["variant", "tokens/s (median)", "p10–p90", "best", "step ms", "first step s", "first loss",
                "TFLOP/s", "MFU (measured peak)"] + (["MFU (spec peak)"] if has_spec else [])  # fmt: skip
     table = []
     for r in result["rows"]:
         lo, hi = r["tokens_per_s_p10_p90"]
-        line = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f}–{hi:,.0f}", f"{r['step_ms_median']:.1f}",
+        line = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f}–{hi:,.0f}", f"{r['tokens_per_s_best']:,.0f}",
+                f"{r['step_ms_median']:.1f}",
                 f"{r['first_step_s']:.2f}", f"{r['first_loss']:.4f}", f"{r['achieved_tflops']:.3f}",
                 f"{r['mfu_measured_peak']:.1%}"]  # fmt: skip
         if has_spec:
@@ -392,12 +434,17 @@ def print_report(result: dict[str, Any]) -> None:
     print()
     print(f"{result['preset']} ({result['params'] / 1e6:.1f}M params, vocab {result['model_config']['vocab_size']}), "
           f"batch {result['batch']} x {result['seq_len']}, {result['rounds']} rounds x {result['steps_per_round']} "
-          f"steps, compile mode {result['compile_mode']}, {result['machine']['torch_threads']} threads, "
+          f"steps, compile mode {result['compile_mode']}, {result['optimizer']}, {result['machine']['torch_threads']} threads, "
           f"torch {result['machine']['torch']}, {result['device']}")  # fmt: skip
     print(f"matmul peak {peaks['bf16']['n']}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
           f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s; load average {load['before']} → {load['after']}")  # fmt: skip
     print()
     print(markdown_table(headers, table))
+    for r in result["rows"]:
+        if "profile_top_ops" in r:
+            print(f"\nprofile of one step, {r['variant']} (self time):")
+            for op in r["profile_top_ops"]:
+                print(f"  {op['share']:6.1%} {op['self_ms']:9.2f} ms  {op['calls']:5d}x  {op['op']}")
     print()
     for key, value in result["ratios"].items():
         if value is not None:
