@@ -81,6 +81,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "LLAMAFLOW_MLRUNS": os.environ["LLAMAFLOW_MLRUNS"],
         # How soon the server cancels subflows of a cancelled run (default 20 s).
         "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
+        # How often the worker asks for scheduled runs (default 10 s): each run here waits for one poll.
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
     }
     with prefect_server(root / "prefect", base_env) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
