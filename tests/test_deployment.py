@@ -45,9 +45,6 @@ from flows.placement import PlacementError, check_placement
 from flows.train_remote import RESULT_FILE, SharedStorageError, read_result, train, write_result
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 
-# SQLAlchemy 2.1 deprecates a loader MLflow uses; the message quotes it as ``noload``.
-pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
-
 REPO = Path(__file__).resolve().parents[1]
 POOL = "gpu-pool"
 RUN_TIMEOUT_S = 300
