@@ -30,11 +30,15 @@ def check_placement(config: PretrainConfig) -> None:
         try:
             client.read_deployment_by_name(config.train_deployment)
         except ObjectNotFound as err:
-            raise PlacementError(
-                f"placement='deployment' but deployment {config.train_deployment!r} does not exist on the "
-                f"Prefect API {client.api_url}: deploy it (`prefect --no-prompt deploy --name gpu` in the "
-                "project directory) and point PREFECT_API_URL at that server, or use placement='local'"
-            ) from err
+            raise _missing(config.train_deployment, str(client.api_url)) from err
+
+
+def _missing(deployment: str, api_url: str) -> PlacementError:
+    return PlacementError(
+        f"placement='deployment' but deployment {deployment!r} does not exist on the Prefect API "
+        f"{api_url}: deploy it (`prefect --no-prompt deploy --name gpu` in the project directory) and "
+        "point PREFECT_API_URL at that server, or use placement='local'"
+    )
 
 
 def run_training(
@@ -66,6 +70,8 @@ def train_on_deployment(
 ) -> CheckpointRef:
     """Run deployment `deployment` (FLOW/NAME of the `train` flow), wait for it, return its CheckpointRef."""
     from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
 
     parameters = {
         "model": model.model_dump(mode="json"),
@@ -76,7 +82,10 @@ def train_on_deployment(
         "retries": retries,
     }
     # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
-    flow_run = run_deployment(deployment, parameters=parameters, timeout=timeout_s, as_subflow=True)
+    try:
+        flow_run = run_deployment(deployment, parameters=parameters, timeout=timeout_s, as_subflow=True)
+    except ObjectNotFound as err:
+        raise _missing(deployment, PREFECT_API_URL.value() or "(ephemeral)") from err
     state = flow_run.state
     if state is None or not state.is_completed():
         name = state.name if state is not None else "unknown"
