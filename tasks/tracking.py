@@ -381,22 +381,17 @@ class MlflowSink:
         self.close()
 
 
-def start_system_metrics(run_id: str, sampling_interval_s: float = 10.0) -> Any | None:
-    """Start MLflow's CPU/GPU/memory sampler for `run_id`; None (with a warning) without psutil.
+def start_system_metrics(run_id: str, sampling_interval_s: float = 10.0, uri: str | None = None) -> Any | None:
+    """Start MLflow's CPU/GPU/memory/disk sampler for `run_id` (needs psutil, a dependency).
 
     Returns the monitor; call `.finish()` on it when training ends.
     """
-    try:
-        import psutil  # noqa: F401
-    except ImportError:
-        warnings.warn(
-            "System metrics need psutil, which is not installed; `pip install psutil` to enable them.",
-            stacklevel=2,
-        )
-        return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_interval_s)
+    # MLflow 3.17's monitor reads the process-wide URI in places even when given its own, so both are set:
+    # a stale process-wide URI (another store, a stopped server) would stall it in HTTP retries.
+    uri = use_tracking_uri(uri)
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_interval_s, tracking_uri=uri)
     monitor.start()
     return monitor
 

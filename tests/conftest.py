@@ -39,3 +39,18 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def session_dir() -> Path:
     return _SESSION_DIR
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_mlflow_tracking_uri():
+    """`mlflow.set_tracking_uri` is process-wide and writes MLFLOW_TRACKING_URI: undo it after each test."""
+    import sys
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(None)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before

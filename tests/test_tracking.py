@@ -245,15 +245,20 @@ def test_unusable_store_uris_are_rejected(uri: str, needle: str) -> None:
         tracking.check_tracking_store(uri)
 
 
-def test_system_metrics_need_psutil(run_id: str) -> None:
+def test_system_metrics_reach_the_run_in_the_configured_store(
+    store: str, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow
+
+    # A process-wide URI left by earlier code (here: a stopped server) must not capture the sampler.
+    mlflow.set_tracking_uri("http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     try:
-        import psutil  # noqa: F401
-    except ImportError:
-        with pytest.warns(UserWarning, match="pip install psutil"):
-            assert tracking.start_system_metrics(run_id) is None
-    else:
         monitor = tracking.start_system_metrics(run_id, sampling_interval_s=0.1)
         time.sleep(0.5)
         monitor.finish()
-        metrics = tracking.get_client().get_run(run_id).data.metrics
-        assert any(key.startswith("system/") for key in metrics)
+    finally:
+        mlflow.set_tracking_uri(None)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    metrics = tracking.get_client().get_run(run_id).data.metrics
+    assert any(key.startswith("system/") for key in metrics)
