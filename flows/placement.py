@@ -9,7 +9,7 @@ LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md ex
 from __future__ import annotations
 
 from flows.config import PretrainConfig
-from flows.train_remote import read_result, retry_unless_stopped
+from flows.train_remote import read_result
 from tasks import settings as project_settings
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
@@ -50,7 +50,7 @@ def run_training(
     """
     train_settings = config.train_settings(checkpoint_dir)
     if config.placement == "local":
-        return train_task.with_options(retries=config.train_retries, retry_condition_fn=retry_unless_stopped)(
+        return train_task.with_options(retries=config.train_retries)(
             model, dataset, train_settings, run_id=run_id
         )
     return train_on_deployment(

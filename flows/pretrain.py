@@ -24,7 +24,7 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel, ValidationError
 
 from flows.config import PretrainConfig
-from flows.placement import run_training
+from flows.placement import check_placement, run_training
 from tasks import report, tracking
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
@@ -33,6 +33,7 @@ from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, T
 from tasks.register import register_task
 from tasks.settings import runs_dir
 from tasks.tokenize import train_tokenizer_task
+from tasks.training import TrainingInterrupted
 
 
 class PretrainResult(BaseModel):
@@ -61,6 +62,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     log = get_run_logger()
     uri = tracking.use_tracking_uri()  # fails here, in seconds, when the store is unreachable
+    check_placement(config)
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
     checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_key)
@@ -92,8 +94,9 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             eval_result=evaluation, model_name=config.model_name, alias=config.alias,
             eval_max_blocks=config.eval_max_blocks, eval_dtype=config.dtype, eval_device=config.device,
         )  # fmt: skip
-    except BaseException:
-        tracking.end_run(run_id, "FAILED")
+    except BaseException as err:
+        stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted)
+        tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
         raise
     tracking.end_run(run_id, "FINISHED")
 

@@ -22,24 +22,9 @@ from tasks import settings as project_settings
 from tasks import tracking
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
-from tasks.training import TrainingInterrupted, TrainSettings
+from tasks.training import TrainSettings
 
 RESULT_FILE = "train-result.json"
-
-
-def retry_unless_stopped(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition of the train task: retry crashes and errors, never a deliberate stop.
-
-    Cancelling a run sends SIGTERM; training stops after a checkpoint and raises TrainingInterrupted.
-    Retrying that would resume training in a run that is being cancelled, until Prefect's SIGKILL.
-    """
-    try:
-        state.result()
-    except TrainingInterrupted:
-        return False
-    except BaseException:
-        return True
-    return True
 
 
 class SharedStorageError(RuntimeError):
@@ -122,7 +107,7 @@ def train(
     TrainSettings(**settings)  # a bad value fails here, before the input checks and the compile
     _check_inputs(model, dataset, run_id, tracking_uri)
     with _tracking_uri(tracking_uri):
-        checkpoint = train_task.with_options(retries=retries, retry_condition_fn=retry_unless_stopped)(
+        checkpoint = train_task.with_options(retries=retries)(
             model, dataset, settings, run_id=run_id
         )
     ctx = FlowRunContext.get()

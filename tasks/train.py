@@ -19,7 +19,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.training import MetricSink, TrainSettings, train
+from tasks.training import MetricSink, TrainingInterrupted, TrainSettings, train
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
@@ -100,4 +100,21 @@ def train_model(
     return checkpoint
 
 
-train_task = task(train_model, name="train", retries=1, retry_delay_seconds=2)
+def retry_unless_stopped(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the train task: retry crashes and errors, never a deliberate stop.
+
+    Cancelling a run sends SIGTERM; training stops after a checkpoint and raises TrainingInterrupted.
+    Retrying that would resume training in a run that is being cancelled, until Prefect's SIGKILL.
+    """
+    try:
+        state.result()
+    except TrainingInterrupted:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
+train_task = task(
+    train_model, name="train", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_stopped
+)
