@@ -60,6 +60,7 @@ VARIANTS: dict[str, tuple[str, bool, str]] = {
     "hf-compiled-bf16": ("hf", True, "bf16"),
     # Levers, not in the default set: the loss inside the compiled graph; fp32 compiled.
     "ours-compiled-bf16-loss-in-graph": ("ours", True, "bf16"),
+    "hf-compiled-bf16-loss-in-graph": ("hf", True, "bf16"),
     "ours-compiled-fp32": ("ours", True, "fp32"),
 }
 DEFAULT_VARIANTS = [
