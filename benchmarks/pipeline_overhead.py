@@ -155,8 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     from flows.config import PretrainConfig
 
+    from pydantic import ValidationError
+
     threads = set_threads(args.threads)
-    config = PretrainConfig(preset=args.preset, max_steps=args.steps)
+    try:
+        config = PretrainConfig(preset=args.preset, max_steps=args.steps)
+    except ValidationError as err:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"--preset {args.preset} --steps {args.steps} is not a valid pretrain config: {err}") from None
     load_before = load_average()
     print(
         f"preset {args.preset}, {args.steps} steps, {threads} threads, stores under {work}, load {load_before}"
