@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     isolate(work)
 
     import torch
+    from pydantic import ValidationError
 
     from benchmarks.common import (
         RESULTS_DIR,
@@ -154,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json,
     )
     from flows.config import PretrainConfig
-
-    from pydantic import ValidationError
 
     threads = set_threads(args.threads)
     try:
