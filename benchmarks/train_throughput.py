@@ -471,7 +471,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     bars = ax.bar(names, values, yerr=errors, color=colors, capsize=4)
     for bar, r in zip(bars, rows, strict=True):
         ax.annotate(f"{r['tokens_per_s']:,.0f}\nMFU {r['mfu_measured_peak']:.0%}", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")  # fmt: skip
+                    r["tokens_per_s_p10_p90"][1]), ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")  # fmt: skip
     ax.set_ylabel("training tokens/s (median, p10–p90)")
     load = result["load_average_1m"]
     ax.set_title(f"{result['preset']} preset, batch {result['batch']}x{result['seq_len']}, {result['device']} "
