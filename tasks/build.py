@@ -20,6 +20,7 @@ from prefect import task
 from model import LlamaConfig, LlamaForPretraining, count_params, load_weights, save_weights
 from tasks.refs import ModelRef
 from tasks.settings import cache_dir
+from tasks.training.checkpoint import sha256_file
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -35,14 +36,6 @@ def resolve_weights(path: str | os.PathLike[str]) -> Path:
     if p.suffix != ".safetensors":
         raise ValueError(f"{p} is not a .safetensors file: llamaflow never unpickles weights")
     return p
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_plain_model(model_dir: str | os.PathLike[str], weights: str | os.PathLike[str] | None = None) -> LlamaForPretraining:
@@ -61,7 +54,7 @@ def build_model(model_config: dict[str, Any], *, seed: int, init_checkpoint: str
     config = LlamaConfig.from_dict(model_config)
     init = resolve_weights(init_checkpoint) if init_checkpoint else None
     key = json.dumps(
-        {"config": config.to_dict(), "seed": seed, "init": _file_digest(init) if init else None}, sort_keys=True
+        {"config": config.to_dict(), "seed": seed, "init": sha256_file(init) if init else None}, sort_keys=True
     )
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     out = cache_dir() / "models" / fingerprint

@@ -16,14 +16,9 @@ from tokenizers import Tokenizer
 from model import LlamaForPretraining, generate
 from tasks.build import load_plain_model
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ModelRef, TokenizerRef
+from tasks.training.distributed import resolve_device
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[object]:

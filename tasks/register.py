@@ -138,8 +138,9 @@ def _champion_loss_on(
     device: str,
 ) -> tuple[float | None, str]:
     """The champion's val_loss on `dataset`, and how it was obtained (None: not comparable)."""
-    from tasks.evaluate import mean_token_loss, resolve_device
+    from tasks.evaluate import mean_token_loss
     from tasks.lookup import load_model
+    from tasks.training.distributed import resolve_device
 
     recorded = champion.tags.get(TAG_VAL_LOSS)
     same_data = champion.tags.get(TAG_DATASET) == dataset.fingerprint

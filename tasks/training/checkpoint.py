@@ -46,7 +46,7 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -124,7 +124,7 @@ def write_checkpoint(
     checksums = {}
     for name in REQUIRED_FILES:
         _fsync_file(tmp / name)
-        checksums[name] = _sha256(tmp / name)
+        checksums[name] = sha256_file(tmp / name)
     (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
     _fsync_file(tmp / MANIFEST_FILE)
     _fsync_dir(tmp)
@@ -153,7 +153,7 @@ def checkpoint_problem(path: Path) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if _sha256(file) != checksums[name]:
+        if sha256_file(file) != checksums[name]:
             return f"{name} does not match its sha256 in manifest.json (truncated or corrupt)"
     return None
 
