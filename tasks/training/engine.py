@@ -33,7 +33,7 @@ from tasks.training.distributed import DistContext, resolve_device
 from tasks.training.faults import FaultInjector
 from tasks.training.loader import BlockLoader, open_blocks, read_meta
 from tasks.training.metrics import JsonlMetrics, MetricSink, device_peak_flops, peak_memory_mb
-from tasks.training.optim import build_optimizer, count_targets, token_loss_sum
+from tasks.training.optim import LossHead, build_optimizer, count_targets
 from tasks.training.schedule import lr_at, total_optimizer_steps
 from tasks.training.settings import TrainSettings
 
@@ -213,7 +213,10 @@ def run_training(
         ckpt.restore_rng_state(state["rng"])
         step, tokens_seen = state["step"], state["tokens_seen"]
 
-    model: nn.Module = torch.compile(plain, dynamic=False) if settings.compile else plain
+    # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
+    model: nn.Module = LossHead(plain)
+    if settings.compile:
+        model = torch.compile(model, dynamic=False)
     if ddp_wrap is not None:
         model = ddp_wrap(model, device)
 
@@ -227,7 +230,7 @@ def run_training(
 
 @dataclass(eq=False)
 class _Loop:
-    model: nn.Module  # what runs forward: compiled and/or DDP-wrapped
+    model: nn.Module  # LossHead(plain): (inputs, targets) -> summed token loss; compiled and/or DDP-wrapped
     plain: nn.Module  # the plain module: parameters, checkpoints
     optimizer: torch.optim.Optimizer
     loader: BlockLoader
@@ -334,8 +337,7 @@ class _Loop:
             sync = nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    logits = self.model(inputs)
-                loss = token_loss_sum(logits, targets)
+                    loss = self.model(inputs, targets)
                 if self.faults.loss_is_nan(step_number):
                     loss = loss * float("nan")
                 (loss * scale).backward()
