@@ -111,7 +111,7 @@ class PretrainConfig(BaseModel):
     train_deployment: str = Field("train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment")
     # evaluation
     eval_max_blocks: int = Field(256, ge=1, description="Validation blocks scored (the first N, fixed)")
-    num_samples: int = Field(4, ge=0, description="Text samples generated after training")
+    num_samples: int = Field(4, ge=0, le=6, description="Text samples generated after training (up to 6 fixed prompts)")
     sample_max_new_tokens: int = Field(48, ge=1)
     # tracking and registry
     experiment: str = Field("llamaflow", description="MLflow experiment")

@@ -42,6 +42,7 @@ def test_train_settings_carry_the_optimisation_fields() -> None:
         ({"init_checkpoint": "/no/such/ckpt"}, "does not exist"),
         ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
         ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"num_samples": 7}, "num_samples"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )
