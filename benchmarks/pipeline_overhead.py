@@ -42,15 +42,17 @@ def isolate(work: Path) -> None:
     """Point every store at `work` before Prefect, MLflow or the project read their settings."""
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         os.environ.pop(key, None)
-    os.environ.update({
-        "LLAMAFLOW_HOME": str(work / "home"),
-        "LLAMAFLOW_MLRUNS": str(work / "mlruns"),
-        "PREFECT_HOME": str(work / "prefect"),
-        "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    })  # fmt: skip
+    os.environ.update(
+        {
+            "LLAMAFLOW_HOME": str(work / "home"),
+            "LLAMAFLOW_MLRUNS": str(work / "mlruns"),
+            "PREFECT_HOME": str(work / "prefect"),
+            "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+        }
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         config = PretrainConfig(preset=args.preset, max_steps=args.steps)
     except ValidationError as err:
         shutil.rmtree(work, ignore_errors=True)
-        raise SystemExit(f"--preset {args.preset} --steps {args.steps} is not a valid pretrain config: {err}") from None
+        raise SystemExit(
+            f"--preset {args.preset} --steps {args.steps} is not a valid pretrain config: {err}"
+        ) from None
     load_before = load_average()
     print(
         f"preset {args.preset}, {args.steps} steps, {threads} threads, stores under {work}, load {load_before}"
@@ -177,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  bare {i + 1}: train {bare['wall_s']:.2f} s, {bare['train_tokens_per_s']:,.0f} tokens/s")
             flow = run_flow(config)
             flow.pop("dataset")
-            print(f"  flow {i + 1}: {flow['wall_s']:.2f} s; train task {flow['stages_s'].get('train', float('nan')):.2f} s, "
-                  f"{flow['train_tokens_per_s']:,.0f} tokens/s; stages {({k: round(v, 2) for k, v in flow['stages_s'].items()})}")  # fmt: skip
+            print(
+                f"  flow {i + 1}: {flow['wall_s']:.2f} s; train task {flow['stages_s'].get('train', float('nan')):.2f} s, "
+                f"{flow['train_tokens_per_s']:,.0f} tokens/s; stages { ({k: round(v, 2) for k, v in flow['stages_s'].items()}) }"
+            )
             bares.append(bare)
             flows.append(flow)
             loads.append(load_average())
@@ -195,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "pipeline_overhead",
         "command": " ".join(["benchmarks/pipeline_overhead.py", *sys.argv[1:]]),
-        "preset": args.preset, "steps": args.steps, "repeats": args.repeats,
+        "preset": args.preset,
+        "steps": args.steps,
+        "repeats": args.repeats,
         "compared": "flow: the train task's wall time inside flows.pretrain.pretrain; bare: tasks.training.train "
-                    "called directly on the same ModelRef/DatasetRef/TrainSettings, same process, no sink",
+        "called directly on the same ModelRef/DatasetRef/TrainSettings, same process, no sink",
         "machine": machine_info(torch.device("cpu")),
         "load_average_1m": {"before": load_before, "after": load_after, "per_repeat": loads},
         "bare_train_s": round(bare_train, 3),
@@ -209,25 +217,39 @@ def main(argv: list[str] | None = None) -> int:
         "whole_flow_over_bare_train_pct": round(100 * (flow_wall - bare_train) / bare_train, 1),
         "fixed_costs_s": {
             "until_flow_running_first_call": round(warm["until_running_s"] or float("nan"), 3),
-            "until_flow_running_later_calls": round(statistics.median(f["until_running_s"] for f in flows), 3),
-            **{f"{s}_cached" if s in ("train_tokenizer", "build_dataset", "build_model") else s: v
-               for s, v in stage_median.items() if s != "train"},
+            "until_flow_running_later_calls": round(
+                statistics.median(f["until_running_s"] for f in flows), 3
+            ),
+            **{
+                f"{s}_cached" if s in ("train_tokenizer", "build_dataset", "build_model") else s: v
+                for s, v in stage_median.items()
+                if s != "train"
+            },
             "flow_glue_outside_tasks": round(glue, 3),
         },
-        "warmup_flow": {"wall_s": round(warm["wall_s"], 2), "stages_s": {k: round(v, 2) for k, v in warm["stages_s"].items()}},
+        "warmup_flow": {
+            "wall_s": round(warm["wall_s"], 2),
+            "stages_s": {k: round(v, 2) for k, v in warm["stages_s"].items()},
+        },
         "runs": {"bare": bares, "flow": flows},
-    }  # fmt: skip
+    }
     out = write_json(RESULTS_DIR / f"pipeline_overhead{'_' + args.tag if args.tag else ''}.json", result)
 
     print()
-    print(markdown_table(
-        ["what", "seconds (median)", "tokens/s"],
-        [["bare `tasks.training.train`", f"{bare_train:.2f}", f"{result['bare_tokens_per_s']:,.0f}"],
-         ["`train` task inside the flow", f"{flow_train:.2f}", f"{result['flow_tokens_per_s']:,.0f}"],
-         ["whole flow (call to return)", f"{flow_wall:.2f}", ""]],
-    ))  # fmt: skip
-    print(f"\ntraining-phase overhead: {result['training_overhead_pct']:+.2f}%  "
-          f"(load average {load_before} → {load_after})")  # fmt: skip
+    print(
+        markdown_table(
+            ["what", "seconds (median)", "tokens/s"],
+            [
+                ["bare `tasks.training.train`", f"{bare_train:.2f}", f"{result['bare_tokens_per_s']:,.0f}"],
+                ["`train` task inside the flow", f"{flow_train:.2f}", f"{result['flow_tokens_per_s']:,.0f}"],
+                ["whole flow (call to return)", f"{flow_wall:.2f}", ""],
+            ],
+        )
+    )
+    print(
+        f"\ntraining-phase overhead: {result['training_overhead_pct']:+.2f}%  "
+        f"(load average {load_before} → {load_after})"
+    )
     print("fixed costs (s): " + ", ".join(f"{k} {v}" for k, v in result["fixed_costs_s"].items()))
     print(f"\nwritten {out}")
     return 0

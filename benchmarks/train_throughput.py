@@ -114,9 +114,15 @@ def build_hf(ours: LlamaForPretraining, work: Path) -> nn.Module:
 
 
 def make_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, impl: str, dtype: str, device: torch.device,
-    compiled: bool, loss_in_graph: bool, compile_kwargs: dict[str, Any],
-) -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:  # fmt: skip
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    impl: str,
+    dtype: str,
+    device: torch.device,
+    compiled: bool,
+    loss_in_graph: bool,
+    compile_kwargs: dict[str, Any],
+) -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """(the module that runs forward, a function doing one full training step and returning the loss)."""
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
@@ -155,9 +161,14 @@ def make_step(
 
 
 def build_variants(
-    names: list[str], config: LlamaConfig, device: torch.device, work: Path, compile_kwargs: dict[str, Any],
-    lr: float, optimizer_impl: str,
-) -> list[Variant]:  # fmt: skip
+    names: list[str],
+    config: LlamaConfig,
+    device: torch.device,
+    work: Path,
+    compile_kwargs: dict[str, Any],
+    lr: float,
+    optimizer_impl: str,
+) -> list[Variant]:
     torch.manual_seed(0)
     reference = LlamaForPretraining(config)  # every variant starts from these weights
     reference_state = {k: v.clone() for k, v in reference.state_dict().items()}
@@ -178,8 +189,12 @@ def build_variants(
             model.config.use_cache = False
         model.to(device).train()
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **OPTIMIZER_IMPLEMENTATIONS[optimizer_impl]
-        )  # fmt: skip
+            model.parameters(),
+            lr=lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            **OPTIMIZER_IMPLEMENTATIONS[optimizer_impl],
+        )
         runner, step = make_step(
             model, optimizer, impl, dtype, device, compiled, name.endswith("loss-in-graph"), compile_kwargs
         )
@@ -211,10 +226,14 @@ def profile_step(
     total = sum(getattr(e, attr) for e in events) or 1.0
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return [
-        {"op": e.key, "self_ms": round(getattr(e, attr) / 1000, 3), "share": round(getattr(e, attr) / total, 4),
-         "calls": e.count}
+        {
+            "op": e.key,
+            "self_ms": round(getattr(e, attr) / 1000, 3),
+            "share": round(getattr(e, attr) / total, 4),
+            "calls": e.count,
+        }
         for e in events[:top]
-    ]  # fmt: skip
+    ]
 
 
 def check_first_losses(variants: list[Variant], device: torch.device) -> dict[str, Any]:
@@ -229,8 +248,10 @@ def check_first_losses(variants: list[Variant], device: torch.device) -> dict[st
         delta = abs(v.first_loss - reference.first_loss)
         deltas[v.name] = delta
         if not delta <= tolerance:
-            failures.append(f"{v.name}: {v.first_loss:.5f} vs {reference.name} {reference.first_loss:.5f} "
-                            f"(|Δ| {delta:.2e} > {tolerance:.0e})")  # fmt: skip
+            failures.append(
+                f"{v.name}: {v.first_loss:.5f} vs {reference.name} {reference.first_loss:.5f} "
+                f"(|Δ| {delta:.2e} > {tolerance:.0e})"
+            )
     if failures:
         raise SystemExit(
             "FIRST-STEP LOSSES DISAGREE: the variants do not compute the same model, so their speeds are not "
@@ -261,22 +282,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs every variant in turn")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compile) step")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, from: {', '.join(VARIANTS)}")  # fmt: skip
+    parser.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: torch's default)")  # fmt: skip
-    parser.add_argument("--deterministic", action="store_true",
-                        help="torch.use_deterministic_algorithms(True), as the training engine sets on CPU")  # fmt: skip
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: torch's default)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True), as the training engine sets on CPU",
+    )
     parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak (default 4096)")
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--optimizer", default="fused", choices=list(OPTIMIZER_IMPLEMENTATIONS),
-                        help="AdamW implementation, the same for every variant (default: fused)")  # fmt: skip
+    parser.add_argument(
+        "--optimizer",
+        default="fused",
+        choices=list(OPTIMIZER_IMPLEMENTATIONS),
+        help="AdamW implementation, the same for every variant (default: fused)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files (default: none)")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="after timing, profile one step of each variant and keep its top N ops by self time")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one step of each variant and keep its top N ops by self time",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -298,8 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     if args.seq_len > args.config.max_position_embeddings:
-        parser.error(f"--seq-len {args.seq_len} exceeds the preset's max_position_embeddings "
-                     f"{args.config.max_position_embeddings}")  # fmt: skip
+        parser.error(
+            f"--seq-len {args.seq_len} exceeds the preset's max_position_embeddings "
+            f"{args.config.max_position_embeddings}"
+        )
     return args
 
 
@@ -314,8 +353,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config: LlamaConfig = args.config
     tokens_per_step = args.batch * args.seq_len
     load_before = load_average()
-    print(f"{args.preset}: {count_params(config) / 1e6:.1f}M params, vocab {config.vocab_size}, batch "
-          f"{args.batch} x {args.seq_len}, {threads} threads, device {device}, load average {load_before}", flush=True)  # fmt: skip
+    print(
+        f"{args.preset}: {count_params(config) / 1e6:.1f}M params, vocab {config.vocab_size}, batch "
+        f"{args.batch} x {args.seq_len}, {threads} threads, device {device}, load average {load_before}",
+        flush=True,
+    )
 
     peak_n = args.peak_size or 4096
     peaks = {
@@ -326,8 +368,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dt: gpu_spec_peak(device, getattr(torch, name))
         for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"))
     }
-    print(f"matmul {peak_n}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s", flush=True)  # fmt: skip
+    print(
+        f"matmul {peak_n}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s",
+        flush=True,
+    )
 
     compile_kwargs = {"mode": args.compile_mode} if args.compile_mode else {}
     n_batches = 1 + args.warmup + args.steps
@@ -352,9 +397,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             v.step_s += times
             v.round_medians_s.append(statistics.median(times))
         round_loads.append(load_average())
-        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{v.name} {tokens_per_step / v.round_medians_s[-1]:,.0f}" for v in variants
-        ) + f" tokens/s; load {round_loads[-1]}", flush=True)  # fmt: skip
+        print(
+            f"  round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{v.name} {tokens_per_step / v.round_medians_s[-1]:,.0f}" for v in variants)
+            + f" tokens/s; load {round_loads[-1]}",
+            flush=True,
+        )
     load_after = load_average()
     profiles = (
         {v.name: profile_step(v, batches[1], device, args.profile) for v in variants} if args.profile else {}
@@ -366,10 +414,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         median = statistics.median(v.step_s)
         tps = tokens_per_step / median
         row = {
-            "variant": v.name, "impl": v.impl, "compiled": v.compiled, "dtype": v.dtype,
+            "variant": v.name,
+            "impl": v.impl,
+            "compiled": v.compiled,
+            "dtype": v.dtype,
             "tokens_per_s": round(tps, 1),
-            "tokens_per_s_p10_p90": [round(tokens_per_step / percentile(v.step_s, 0.9), 1),
-                                     round(tokens_per_step / percentile(v.step_s, 0.1), 1)],
+            "tokens_per_s_p10_p90": [
+                round(tokens_per_step / percentile(v.step_s, 0.9), 1),
+                round(tokens_per_step / percentile(v.step_s, 0.1), 1),
+            ],
             "step_ms_median": round(1000 * median, 2),
             # The fastest step: what the machine does when nothing else runs; robust to contention.
             "tokens_per_s_best": round(tokens_per_step / min(v.step_s), 1),
@@ -379,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_loss": round(v.first_loss, 6),
             "achieved_tflops": round(fpt * tps / 1e12, 4),
             "mfu_measured_peak": round(fpt * tps / peaks[v.dtype]["flops_per_s"], 4),
-        }  # fmt: skip
+        }
         if spec[v.dtype] is not None:
             row["mfu_spec_peak"] = round(fpt * tps / spec[v.dtype], 4)
         if v.name in profiles:
@@ -397,16 +450,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "train_throughput",
         "command": " ".join(["benchmarks/train_throughput.py", *sys.argv[1:]]),
-        "preset": args.preset, "model_config": config.to_dict(), "params": count_params(config),
-        "batch": args.batch, "seq_len": args.seq_len, "tokens_per_step": tokens_per_step,
-        "steps_per_round": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup,
-        "compile_mode": args.compile_mode or "default", "deterministic": args.deterministic,
+        "preset": args.preset,
+        "model_config": config.to_dict(),
+        "params": count_params(config),
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "warmup_steps": args.warmup,
+        "compile_mode": args.compile_mode or "default",
+        "deterministic": args.deterministic,
         "optimizer": f"AdamW ({args.optimizer})",
-        "device": str(device), "machine": machine_info(device),
+        "device": str(device),
+        "machine": machine_info(device),
         "load_average_1m": {"before": load_before, "after": load_after, "per_round": round_loads},
         "flops_per_token": fpt,
-        "matmul_peak": {dt: {k: round(val, 6) if isinstance(val, float) else val for k, val in p.items()}
-                        for dt, p in peaks.items()},
+        "matmul_peak": {
+            dt: {k: round(val, 6) if isinstance(val, float) else val for k, val in p.items()}
+            for dt, p in peaks.items()
+        },
         "spec_peak_flops": spec,
         "first_loss_check": loss_check,
         "ratios": {
@@ -416,32 +479,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ours_compiled_bf16_over_ours_eager_fp32": ratio("ours-compiled-bf16", "ours-eager-fp32"),
         },
         "rows": rows,
-    }  # fmt: skip
+    }
 
 
 def print_report(result: dict[str, Any]) -> None:
     has_spec = any("mfu_spec_peak" in r for r in result["rows"])
-    headers = ["variant", "tokens/s (median)", "p10–p90", "best", "step ms", "first step s", "first loss",
-               "TFLOP/s", "MFU (measured peak)"] + (["MFU (spec peak)"] if has_spec else [])  # fmt: skip
+    headers = [
+        "variant",
+        "tokens/s (median)",
+        "p10–p90",
+        "best",
+        "step ms",
+        "first step s",
+        "first loss",
+        "TFLOP/s",
+        "MFU (measured peak)",
+    ] + (["MFU (spec peak)"] if has_spec else [])
     table = []
     for r in result["rows"]:
         lo, hi = r["tokens_per_s_p10_p90"]
-        line = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f}–{hi:,.0f}", f"{r['tokens_per_s_best']:,.0f}",
-                f"{r['step_ms_median']:.1f}",
-                f"{r['first_step_s']:.2f}", f"{r['first_loss']:.4f}", f"{r['achieved_tflops']:.3f}",
-                f"{r['mfu_measured_peak']:.1%}"]  # fmt: skip
+        line = [
+            r["variant"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{lo:,.0f}–{hi:,.0f}",
+            f"{r['tokens_per_s_best']:,.0f}",
+            f"{r['step_ms_median']:.1f}",
+            f"{r['first_step_s']:.2f}",
+            f"{r['first_loss']:.4f}",
+            f"{r['achieved_tflops']:.3f}",
+            f"{r['mfu_measured_peak']:.1%}",
+        ]
         if has_spec:
             line.append(f"{r['mfu_spec_peak']:.1%}" if "mfu_spec_peak" in r else "")
         table.append(line)
     peaks = result["matmul_peak"]
     load = result["load_average_1m"]
     print()
-    print(f"{result['preset']} ({result['params'] / 1e6:.1f}M params, vocab {result['model_config']['vocab_size']}), "
-          f"batch {result['batch']} x {result['seq_len']}, {result['rounds']} rounds x {result['steps_per_round']} "
-          f"steps, compile mode {result['compile_mode']}, {result['optimizer']}, {result['machine']['torch_threads']} threads, "
-          f"torch {result['machine']['torch']}, {result['device']}")  # fmt: skip
-    print(f"matmul peak {peaks['bf16']['n']}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s; load average {load['before']} → {load['after']}")  # fmt: skip
+    print(
+        f"{result['preset']} ({result['params'] / 1e6:.1f}M params, vocab {result['model_config']['vocab_size']}), "
+        f"batch {result['batch']} x {result['seq_len']}, {result['rounds']} rounds x {result['steps_per_round']} "
+        f"steps, compile mode {result['compile_mode']}, {result['optimizer']}, {result['machine']['torch_threads']} threads, "
+        f"torch {result['machine']['torch']}, {result['device']}"
+    )
+    print(
+        f"matmul peak {peaks['bf16']['n']}³: fp32 {peaks['fp32']['flops_per_s'] / 1e9:,.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16']['flops_per_s'] / 1e9:,.0f} GFLOP/s; load average {load['before']} → {load['after']}"
+    )
     print()
     print(markdown_table(headers, table))
     for r in result["rows"]:
@@ -464,18 +547,30 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     rows = result["rows"]
     names = [r["variant"] for r in rows]
     values = [r["tokens_per_s"] for r in rows]
-    errors = [[r["tokens_per_s"] - r["tokens_per_s_p10_p90"][0] for r in rows],
-              [r["tokens_per_s_p10_p90"][1] - r["tokens_per_s"] for r in rows]]  # fmt: skip
+    errors = [
+        [r["tokens_per_s"] - r["tokens_per_s_p10_p90"][0] for r in rows],
+        [r["tokens_per_s_p10_p90"][1] - r["tokens_per_s"] for r in rows],
+    ]
     colors = ["tab:blue" if r["impl"] == "ours" else "tab:orange" for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = ax.bar(names, values, yerr=errors, color=colors, capsize=4)
     for bar, r in zip(bars, rows, strict=True):
-        ax.annotate(f"{r['tokens_per_s']:,.0f}\nMFU {r['mfu_measured_peak']:.0%}", (bar.get_x() + bar.get_width() / 2,
-                    r["tokens_per_s_p10_p90"][1]), ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            f"{r['tokens_per_s']:,.0f}\nMFU {r['mfu_measured_peak']:.0%}",
+            (bar.get_x() + bar.get_width() / 2, r["tokens_per_s_p10_p90"][1]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
     ax.set_ylabel("training tokens/s (median, p10–p90)")
     load = result["load_average_1m"]
-    ax.set_title(f"{result['preset']} preset, batch {result['batch']}x{result['seq_len']}, {result['device']} "
-                 f"({result['machine']['torch_threads']} threads), load avg {load['before']}→{load['after']}", fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"{result['preset']} preset, batch {result['batch']}x{result['seq_len']}, {result['device']} "
+        f"({result['machine']['torch_threads']} threads), load avg {load['before']}→{load['after']}",
+        fontsize=10,
+    )
     ax.tick_params(axis="x", labelrotation=20)
     ax.margins(y=0.2)
     fig.tight_layout()

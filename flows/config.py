@@ -68,22 +68,32 @@ class PretrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
-    preset: Literal["tiny", "demo", "125m"] = Field("demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)")
+    preset: Literal["tiny", "demo", "125m"] = Field(
+        "demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)"
+    )
     # data
     data: str | None = Field(
         None,
         description="Corpus: None/'stdlib' = this interpreter's standard library sources; a file, directory or glob; 'hf:NAME[:CONFIG]'",
     )
-    val_data: str | None = Field(None, description="Separate validation corpus (default: a split of `data` by file)")
-    val_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation")
+    val_data: str | None = Field(
+        None, description="Separate validation corpus (default: a split of `data` by file)"
+    )
+    val_fraction: float = Field(
+        0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation"
+    )
     text_field: str = Field("text", description="Text field of JSON/JSONL/Parquet/HF records")
     tokenizer: str | None = Field(None, description="Existing tokenizer.json to use instead of training one")
     vocab_size: int = Field(8192, ge=260, le=1 << 20, description="BPE vocabulary size (also the model's)")
     seq_len: int = Field(256, ge=2, description="Tokens per training sequence")
     # model
     model: str = Field("demo", description="Model preset: tiny, demo, small, 125m, 350m, 1b")
-    model_overrides: dict[str, Any] = Field(default_factory=dict, description="LlamaConfig fields to override")
-    init_checkpoint: str | None = Field(None, description="Checkpoint directory or model.safetensors to start from")
+    model_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="LlamaConfig fields to override"
+    )
+    init_checkpoint: str | None = Field(
+        None, description="Checkpoint directory or model.safetensors to start from"
+    )
     # optimisation
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass")
     accumulate_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step")
@@ -101,17 +111,26 @@ class PretrainConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
     # checkpoints
-    checkpoint_dir: str | None = Field(None, description="Where checkpoints go; reusing one resumes it (default: a new run directory)")
-    checkpoint_every: int = Field(0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)")
+    checkpoint_dir: str | None = Field(
+        None, description="Where checkpoints go; reusing one resumes it (default: a new run directory)"
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"
+    )
     keep_checkpoints: int = Field(2, ge=1)
     train_retries: int = Field(1, ge=0, description="Prefect retries of the train task; each retry resumes")
     placement: Literal["local", "deployment"] = Field(
-        "local", description="local: train in this flow run; deployment: run the train deployment on the GPU pool"
+        "local",
+        description="local: train in this flow run; deployment: run the train deployment on the GPU pool",
     )
-    train_deployment: str = Field("train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment")
+    train_deployment: str = Field(
+        "train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment"
+    )
     # evaluation
     eval_max_blocks: int = Field(256, ge=1, description="Validation blocks scored (the first N, fixed)")
-    num_samples: int = Field(4, ge=0, le=6, description="Text samples generated after training (up to 6 fixed prompts)")
+    num_samples: int = Field(
+        4, ge=0, le=6, description="Text samples generated after training (up to 6 fixed prompts)"
+    )
     sample_max_new_tokens: int = Field(48, ge=1)
     # tracking and registry
     experiment: str = Field("llamaflow", description="MLflow experiment")
@@ -144,7 +163,9 @@ class PretrainConfig(BaseModel):
                 f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
             )
         for source in (self.data, self.val_data):
-            local = source not in (None, "stdlib") and not source.startswith("hf:") and not glob.has_magic(source)
+            local = (
+                source not in (None, "stdlib") and not source.startswith("hf:") and not glob.has_magic(source)
+            )
             if local and not Path(source).expanduser().exists():
                 raise ValueError(
                     f"data path {source!r} does not exist: give an existing file, directory or glob, "
@@ -169,10 +190,24 @@ class PretrainConfig(BaseModel):
     def train_settings(self, checkpoint_dir: str) -> dict[str, Any]:
         """Fields of tasks.training.TrainSettings, as plain values."""
         keys = (
-            "micro_batch_size", "accumulate_steps", "max_steps", "epochs", "lr", "min_lr_ratio",
-            "warmup_steps", "schedule", "weight_decay", "grad_clip", "seed", "compile", "dtype",
-            "device", "checkpoint_every", "keep_checkpoints", "nproc_per_node",
-        )  # fmt: skip
+            "micro_batch_size",
+            "accumulate_steps",
+            "max_steps",
+            "epochs",
+            "lr",
+            "min_lr_ratio",
+            "warmup_steps",
+            "schedule",
+            "weight_decay",
+            "grad_clip",
+            "seed",
+            "compile",
+            "dtype",
+            "device",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "nproc_per_node",
+        )
         settings = {k: getattr(self, k) for k in keys}
         if self.max_steps is not None:  # max_steps alone sets the run length; epochs only without it
             settings["epochs"] = None

@@ -68,13 +68,22 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_key)
 
     tokenizer = train_tokenizer_task(
-        config.data, config.vocab_size, val_fraction=config.val_fraction, val_data=config.val_data,
-        text_field=config.text_field, tokenizer_path=config.tokenizer,
-    )  # fmt: skip
+        config.data,
+        config.vocab_size,
+        val_fraction=config.val_fraction,
+        val_data=config.val_data,
+        text_field=config.text_field,
+        tokenizer_path=config.tokenizer,
+    )
     dataset = build_dataset_task(
-        config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction, val_data=config.val_data,
-        text_field=config.text_field, seed=config.seed,
-    )  # fmt: skip
+        config.data,
+        tokenizer,
+        config.seq_len,
+        val_fraction=config.val_fraction,
+        val_data=config.val_data,
+        text_field=config.text_field,
+        seed=config.seed,
+    )
     model = build_model_task(config.model_dict(), seed=config.seed, init_checkpoint=config.init_checkpoint)
     log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
 
@@ -84,16 +93,30 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         tracking.log_dataset_input(run_id, dataset)
         checkpoint = run_training(config, model, dataset, checkpoint_dir, run_id)
         evaluation = evaluate_task(
-            checkpoint, dataset, tokenizer, initial_model=model, max_blocks=config.eval_max_blocks,
-            num_samples=config.num_samples, max_new_tokens=config.sample_max_new_tokens, seed=config.seed,
-            device=config.device, dtype=config.dtype,
-        )  # fmt: skip
+            checkpoint,
+            dataset,
+            tokenizer,
+            initial_model=model,
+            max_blocks=config.eval_max_blocks,
+            num_samples=config.num_samples,
+            max_new_tokens=config.sample_max_new_tokens,
+            seed=config.seed,
+            device=config.device,
+            dtype=config.dtype,
+        )
         report.log_evaluation(run_id, evaluation, checkpoint=checkpoint)
         registered = register_task(
-            run_id=run_id, checkpoint=checkpoint, tokenizer=tokenizer, dataset=dataset,
-            eval_result=evaluation, model_name=config.model_name, alias=config.alias,
-            eval_max_blocks=config.eval_max_blocks, eval_dtype=config.dtype, eval_device=config.device,
-        )  # fmt: skip
+            run_id=run_id,
+            checkpoint=checkpoint,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            eval_result=evaluation,
+            model_name=config.model_name,
+            alias=config.alias,
+            eval_max_blocks=config.eval_max_blocks,
+            eval_dtype=config.dtype,
+            eval_device=config.device,
+        )
     except BaseException as err:
         stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted)
         tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
@@ -124,14 +147,18 @@ def _print_summary(result: PretrainResult) -> None:
         lines.append(f"validation loss: {ev.initial_val_loss:.3f} before training → {ev.val_loss:.3f} after")
     else:
         lines.append(f"validation loss: {ev.val_loss:.3f}")
-    lines.append(f"perplexity: {ev.perplexity:.1f}   steps: {result.checkpoint.step}   "
-                 f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}")  # fmt: skip
+    lines.append(
+        f"perplexity: {ev.perplexity:.1f}   steps: {result.checkpoint.step}   "
+        f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}"
+    )
     verdict = "now holds" if result.registered.promoted else "stays with the previous version; not moved to"
     lines.append(f"registered: {result.model_uri}  ({verdict} @{result.registered.alias})")
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
     lines.append(f"look next: {tracking.run_link(result.run_id, result.tracking_uri)}")
-    lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')")
+    lines.append(
+        f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')"
+    )
     lines.append("=" * 72)
     print("\n".join(lines))
 
@@ -170,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in PretrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind, is_bool = _cli_type(field.annotation)
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        choices = (
+            typing.get_args(field.annotation)
+            if typing.get_origin(field.annotation) is typing.Literal
+            else None
+        )
         default = field.default if field.default_factory is None else field.default_factory()
         help_text = f"{field.description or ''} (default: {default!r}, or the preset's)".strip()
         if is_bool:

@@ -35,7 +35,9 @@ def write_result(checkpoint: CheckpointRef, checkpoint_dir: str | Path, flow_run
     """Write the CheckpointRef beside the checkpoints, atomically (a reader never sees half a file)."""
     target = Path(checkpoint_dir) / RESULT_FILE
     partial = target.with_name(f".{RESULT_FILE}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"flow_run_id": flow_run_id, "checkpoint": checkpoint.model_dump(mode="json")}))
+    partial.write_text(
+        json.dumps({"flow_run_id": flow_run_id, "checkpoint": checkpoint.model_dump(mode="json")})
+    )
     os.replace(partial, target)
     return target
 
@@ -107,9 +109,7 @@ def train(
     TrainSettings(**settings)  # a bad value fails here, before the input checks and the compile
     _check_inputs(model, dataset, run_id, tracking_uri)
     with _tracking_uri(tracking_uri):
-        checkpoint = train_task.with_options(retries=retries)(
-            model, dataset, settings, run_id=run_id
-        )
+        checkpoint = train_task.with_options(retries=retries)(model, dataset, settings, run_id=run_id)
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     where = write_result(checkpoint, settings["checkpoint_dir"], flow_run_id)

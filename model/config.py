@@ -85,7 +85,10 @@ class LlamaConfig:
                 missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
                 if missing:
                     raise ValueError(f"llama3 rope_scaling lacks {missing}; give all of {_LLAMA3_ROPE_KEYS}")
-                self.rope_scaling = {"rope_type": "llama3", **{k: self.rope_scaling[k] for k in _LLAMA3_ROPE_KEYS}}
+                self.rope_scaling = {
+                    "rope_type": "llama3",
+                    **{k: self.rope_scaling[k] for k in _LLAMA3_ROPE_KEYS},
+                }
 
     @property
     def num_key_value_groups(self) -> int:
@@ -133,28 +136,72 @@ _LLAMA3_SCALING = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: runs in milliseconds.
-    "tiny": dict(vocab_size=8192, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
     # ~6.5M parameters with vocab 8192: trains to readable text on 2 CPU cores in minutes.
-    "demo": dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                 tie_word_embeddings=True),
+    "demo": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
     # ~34M parameters: large enough that CPU time goes to matmuls rather than overhead.
-    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                  tie_word_embeddings=True),
-    "125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                 tie_word_embeddings=False),
-    "350m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
-                 tie_word_embeddings=False),
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
+    "125m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    "350m": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
     # Llama 3.2 1B shape with a 32k vocabulary.
-    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-               rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, tie_word_embeddings=True),
-}  # fmt: skip
+    "1b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA3_SCALING,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 def get_preset(name: str, **overrides: Any) -> LlamaConfig:
@@ -167,7 +214,10 @@ def get_preset(name: str, **overrides: Any) -> LlamaConfig:
 def _config_param_counts(config: LlamaConfig) -> tuple[int, int]:
     """(total, non-embedding) parameter counts computed from the shapes alone."""
     h, hd = config.hidden_size, config.head_dim
-    attn = h * hd * (config.num_attention_heads + 2 * config.num_key_value_heads) + config.num_attention_heads * hd * h
+    attn = (
+        h * hd * (config.num_attention_heads + 2 * config.num_key_value_heads)
+        + config.num_attention_heads * hd * h
+    )
     mlp = 3 * h * config.intermediate_size
     per_layer = attn + mlp + 2 * h
     non_embedding = config.num_hidden_layers * per_layer + h
@@ -210,7 +260,9 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return float(6 * n_matmul + attention)
 
 
-def describe_presets(seq_len: int = 1024, vocab_size: int | None = None, print_table: bool = False) -> list[dict]:
+def describe_presets(
+    seq_len: int = 1024, vocab_size: int | None = None, print_table: bool = False
+) -> list[dict]:
     """One row per preset: name, total and non-embedding parameters, training FLOPs/token at `seq_len`."""
     rows = []
     for name in PRESETS:

@@ -19,7 +19,9 @@ def _check_arguments(
     top_p: float | None,
 ) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty (batch, seq) tensor, got shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be a non-empty (batch, seq) tensor, got shape {tuple(input_ids.shape)}"
+        )
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
@@ -41,7 +43,9 @@ def _check_arguments(
         )
     if attn_mask is not None:
         if attn_mask.shape != input_ids.shape:
-            raise ValueError(f"attn_mask shape {tuple(attn_mask.shape)} differs from input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attn_mask shape {tuple(attn_mask.shape)} differs from input_ids {tuple(input_ids.shape)}"
+            )
         real = attn_mask.bool()
         if not real[:, -1].all() or (real[:, 1:].int() < real[:, :-1].int()).any():
             raise ValueError(
@@ -99,7 +103,9 @@ def generate(
     """
     plain = unwrap(model)
     if not isinstance(plain, LlamaForPretraining):
-        raise TypeError(f"generate expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}")
+        raise TypeError(
+            f"generate expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}"
+        )
     _check_arguments(plain, input_ids, attn_mask, max_new_tokens, temperature, top_k, top_p)
     batch, prompt_len = input_ids.shape
     if max_new_tokens == 0:

@@ -39,7 +39,11 @@ def _to_hf_state(model: LlamaForPretraining) -> dict[str, torch.Tensor]:
         if name.endswith("self_attn.qkv_proj.weight"):
             prefix = name.removesuffix("qkv_proj.weight")
             q, k, v = tensor.split([q_size, kv_size, kv_size], dim=0)
-            out[prefix + "q_proj.weight"], out[prefix + "k_proj.weight"], out[prefix + "v_proj.weight"] = q, k, v
+            out[prefix + "q_proj.weight"], out[prefix + "k_proj.weight"], out[prefix + "v_proj.weight"] = (
+                q,
+                k,
+                v,
+            )
         elif name.endswith("mlp.gate_up_proj.weight"):
             prefix = name.removesuffix("gate_up_proj.weight")
             out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = tensor.chunk(2, dim=0)
@@ -57,7 +61,9 @@ def _from_hf_state(hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str
         state[attn + "qkv_proj.weight"] = torch.cat(
             [hf.pop(attn + "q_proj.weight"), hf.pop(attn + "k_proj.weight"), hf.pop(attn + "v_proj.weight")]
         )
-        state[mlp + "gate_up_proj.weight"] = torch.cat([hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")])
+        state[mlp + "gate_up_proj.weight"] = torch.cat(
+            [hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")]
+        )
     if config.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
@@ -113,7 +119,9 @@ def export_hf(
     """
     plain = unwrap(model)
     if not isinstance(plain, LlamaForPretraining):
-        raise TypeError(f"export_hf expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}")
+        raise TypeError(
+            f"export_hf expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = plain.config
@@ -147,7 +155,11 @@ def export_hf(
     os.replace(tmp, out / "model.safetensors")
     config_json = hf_config_dict(config, weights_dtype, special_ids)
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    generation = {k: config_json[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config_json[k] is not None}
+    generation = {
+        k: config_json[k]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config_json[k] is not None
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
 
@@ -196,7 +208,9 @@ def import_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found; give the directory of a Hugging Face Llama checkpoint")
+        raise FileNotFoundError(
+            f"{config_path} not found; give the directory of a Hugging Face Llama checkpoint"
+        )
     raw = json.loads(config_path.read_text())
     if raw.get("model_type") != "llama":
         raise ValueError(f"{directory} holds model_type {raw.get('model_type')!r}; only 'llama' is supported")
@@ -215,6 +229,8 @@ def import_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{directory}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{directory}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
     return model.to(dtype) if dtype != torch.float32 else model

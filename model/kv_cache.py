@@ -35,7 +35,9 @@ class KVCache:
         keys, values = self.keys[layer], self.values[layer]
         if keys is None or keys.dtype != k.dtype:
             if self.length:
-                raise ValueError("KVCache dtype changed mid-generation; keep autocast on or off for all steps")
+                raise ValueError(
+                    "KVCache dtype changed mid-generation; keep autocast on or off for all steps"
+                )
             keys = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
             values = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
             self.keys[layer], self.values[layer] = keys, values

@@ -78,7 +78,9 @@ class Attention(nn.Module):
         if self.groups > 1 and not native_gqa:
             k = k.repeat_interleave(self.groups, dim=1)
             v = v.repeat_interleave(self.groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=native_gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=native_gqa
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -139,7 +141,9 @@ class LlamaForPretraining(nn.Module):
 
     def _register_rope_tables(self, device: torch.device | None = None) -> None:
         inv_freq = rope_inverse_frequencies(self.config).to(device)
-        positions = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.int64).float()
+        positions = torch.arange(
+            self.config.max_position_embeddings, device=device, dtype=torch.int64
+        ).float()
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         # Derived from the config, so not saved with the weights.

@@ -80,7 +80,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     if not path.is_file():
         raise FileNotFoundError(f"weights file {path} does not exist")
     if path.suffix != ".safetensors":
-        raise ValueError(f"{path} is not a .safetensors file; only safetensors weights are loaded (no pickles)")
+        raise ValueError(
+            f"{path} is not a .safetensors file; only safetensors weights are loaded (no pickles)"
+        )
     plain = unwrap(model)
     device = next(plain.parameters()).device
     loaded = load_file(str(path), device=str(device))

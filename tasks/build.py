@@ -32,13 +32,17 @@ def resolve_weights(path: str | os.PathLike[str]) -> Path:
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
-        raise FileNotFoundError(f"no weights at {p}: give a checkpoint directory holding {WEIGHTS}, or the file itself")
+        raise FileNotFoundError(
+            f"no weights at {p}: give a checkpoint directory holding {WEIGHTS}, or the file itself"
+        )
     if p.suffix != ".safetensors":
         raise ValueError(f"{p} is not a .safetensors file: llamaflow never unpickles weights")
     return p
 
 
-def load_plain_model(model_dir: str | os.PathLike[str], weights: str | os.PathLike[str] | None = None) -> LlamaForPretraining:
+def load_plain_model(
+    model_dir: str | os.PathLike[str], weights: str | os.PathLike[str] | None = None
+) -> LlamaForPretraining:
     """The uncompiled model described by `model_dir/config.json`, with weights loaded.
 
     Callers compile the returned module afterwards if they want to; never the other way round.
@@ -54,7 +58,8 @@ def build_model(model_config: dict[str, Any], *, seed: int, init_checkpoint: str
     config = LlamaConfig.from_dict(model_config)
     init = resolve_weights(init_checkpoint) if init_checkpoint else None
     key = json.dumps(
-        {"config": config.to_dict(), "seed": seed, "init": sha256_file(init) if init else None}, sort_keys=True
+        {"config": config.to_dict(), "seed": seed, "init": sha256_file(init) if init else None},
+        sort_keys=True,
     )
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     out = cache_dir() / "models" / fingerprint

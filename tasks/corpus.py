@@ -43,8 +43,17 @@ from tasks.data_files import (
 )
 from tasks.data_hf import hf_fingerprint, hf_split_dataset, parse_hf
 
-__all__ = ["STDLIB_EXCLUDED_DIRS", "Corpus", "CorpusSplit", "DataError", "DataSpec", "DataWarning", "as_spec", "blake",
-           "resolve_corpus"]
+__all__ = [
+    "STDLIB_EXCLUDED_DIRS",
+    "Corpus",
+    "CorpusSplit",
+    "DataError",
+    "DataSpec",
+    "DataWarning",
+    "as_spec",
+    "blake",
+    "resolve_corpus",
+]
 
 FORMAT_VERSION = "corpus-v1"
 _TRAIN, _VAL = "train", "validation"
@@ -72,7 +81,9 @@ def as_spec(data: str | DataSpec | None = None, **overrides: Any) -> DataSpec:
     else:
         spec = DataSpec(data=data, **updates)
     if not 0.0 < spec.val_fraction < 1.0:
-        raise DataError(f"val_fraction={spec.val_fraction} must be between 0 and 1 (exclusive); 0.05 is typical.")
+        raise DataError(
+            f"val_fraction={spec.val_fraction} must be between 0 and 1 (exclusive); 0.05 is typical."
+        )
     return spec
 
 
@@ -148,10 +159,22 @@ def _split_files(source: str, files: list[SourceFile], spec: DataSpec) -> tuple[
             text = Path(only.path).read_text(encoding="utf-8")
             cut = line_cut(text, spec.val_fraction)
             train_bytes, val_bytes = len(text[:cut].encode()), len(text[cut:].encode())
-        train = CorpusSplit(_TRAIN, blake(base, _TRAIN), f"{source} ({mode} before the last {spec.val_fraction:.0%})",
-                            (FilePart(only, (select[0], spec.val_fraction)),), field_, bytes=train_bytes)
-        val = CorpusSplit(_VAL, blake(base, _VAL), f"{source} (held-out {mode})",
-                          (FilePart(only, (select[1], spec.val_fraction)),), field_, bytes=val_bytes)
+        train = CorpusSplit(
+            _TRAIN,
+            blake(base, _TRAIN),
+            f"{source} ({mode} before the last {spec.val_fraction:.0%})",
+            (FilePart(only, (select[0], spec.val_fraction)),),
+            field_,
+            bytes=train_bytes,
+        )
+        val = CorpusSplit(
+            _VAL,
+            blake(base, _VAL),
+            f"{source} (held-out {mode})",
+            (FilePart(only, (select[1], spec.val_fraction)),),
+            field_,
+            bytes=val_bytes,
+        )
         return train, val
     scored = sorted(files, key=lambda f: unit_hash(f.relpath))
     val_files = [f for f in scored if unit_hash(f.relpath) < spec.val_fraction]
@@ -169,11 +192,15 @@ def _split_files(source: str, files: list[SourceFile], spec: DataSpec) -> tuple[
     )
 
 
-def _whole_files_split(name: Literal["train", "validation"], source: str, files: list[SourceFile],
-                       text_field: str) -> CorpusSplit:
+def _whole_files_split(
+    name: Literal["train", "validation"], source: str, files: list[SourceFile], text_field: str
+) -> CorpusSplit:
     return CorpusSplit(
-        name, _files_fingerprint(files, text_field), f"{source}: {len(files)} files",
-        tuple(FilePart(f) for f in files), text_field,
+        name,
+        _files_fingerprint(files, text_field),
+        f"{source}: {len(files)} files",
+        tuple(FilePart(f) for f in files),
+        text_field,
         # Parquet is compressed: its size does not bound the text size.
         bytes=None if any(f.kind == ".parquet" for f in files) else sum(f.size for f in files),
         extra={"files": len(files)},
@@ -182,28 +209,49 @@ def _whole_files_split(name: Literal["train", "validation"], source: str, files:
 
 # ------------------------------------------------------------------------------------- Hugging Face
 
-def _hf_splits(source: str, spec: DataSpec, *, as_val_source: bool = False) -> tuple[CorpusSplit, CorpusSplit | None]:
+
+def _hf_splits(
+    source: str, spec: DataSpec, *, as_val_source: bool = False
+) -> tuple[CorpusSplit, CorpusSplit | None]:
     name, config = parse_hf(source)
     base = {"name": name, "config": config, "text_field": spec.text_field, "streaming": spec.streaming}
     train_fp = hf_fingerprint(name, config, spec.hf_split, spec.text_field, spec.streaming)
     if as_val_source or spec.val_data is not None:
-        whole = CorpusSplit(_TRAIN, blake(FORMAT_VERSION, train_fp), source, hf={**base, "split": spec.hf_split})
+        whole = CorpusSplit(
+            _TRAIN, blake(FORMAT_VERSION, train_fp), source, hf={**base, "split": spec.hf_split}
+        )
         return whole, None
     if spec.hf_val_split is not None:
         val_fp = hf_fingerprint(name, config, spec.hf_val_split, spec.text_field, spec.streaming)
         return (
-            CorpusSplit(_TRAIN, blake(FORMAT_VERSION, train_fp), f"{source}[{spec.hf_split}]",
-                        hf={**base, "split": spec.hf_split}),
-            CorpusSplit(_VAL, blake(FORMAT_VERSION, val_fp), f"{source}[{spec.hf_val_split}]",
-                        hf={**base, "split": spec.hf_val_split}),
+            CorpusSplit(
+                _TRAIN,
+                blake(FORMAT_VERSION, train_fp),
+                f"{source}[{spec.hf_split}]",
+                hf={**base, "split": spec.hf_split},
+            ),
+            CorpusSplit(
+                _VAL,
+                blake(FORMAT_VERSION, val_fp),
+                f"{source}[{spec.hf_val_split}]",
+                hf={**base, "split": spec.hf_val_split},
+            ),
         )
     fraction = spec.val_fraction
     shared = {**base, "split": spec.hf_split, "val_fraction": fraction}
     return (
-        CorpusSplit(_TRAIN, blake(FORMAT_VERSION, train_fp, _TRAIN, repr(fraction)), source,
-                    hf={**shared, "keep_val": False}),
-        CorpusSplit(_VAL, blake(FORMAT_VERSION, train_fp, _VAL, repr(fraction)), f"{source} (held-out rows)",
-                    hf={**shared, "keep_val": True}),
+        CorpusSplit(
+            _TRAIN,
+            blake(FORMAT_VERSION, train_fp, _TRAIN, repr(fraction)),
+            source,
+            hf={**shared, "keep_val": False},
+        ),
+        CorpusSplit(
+            _VAL,
+            blake(FORMAT_VERSION, train_fp, _VAL, repr(fraction)),
+            f"{source} (held-out rows)",
+            hf={**shared, "keep_val": True},
+        ),
     )
 
 

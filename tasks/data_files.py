@@ -25,6 +25,7 @@ RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 KNOWN_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
 
+
 @dataclass(frozen=True)
 class SourceFile:
     path: str
@@ -66,7 +67,9 @@ def expand(source: str) -> tuple[list[Path], Path]:
         matches = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(source), recursive=True))
         files = [p for p in matches if p.is_file()]
         if not files:
-            raise DataError(f"The glob {source!r} matches no files; check the pattern and the working directory.")
+            raise DataError(
+                f"The glob {source!r} matches no files; check the pattern and the working directory."
+            )
         root = Path(os.path.commonpath([str(p.parent) for p in files]))
         return files, root
     path = Path(os.path.expanduser(source)).resolve()
@@ -77,7 +80,8 @@ def expand(source: str) -> tuple[list[Path], Path]:
         )
     if path.is_dir():
         files = sorted(
-            p for p in path.rglob("*")
+            p
+            for p in path.rglob("*")
             if p.is_file() and p.suffix.lower() in KNOWN_SUFFIXES and "__pycache__" not in p.parts
         )
         if not files:
@@ -120,8 +124,9 @@ def read_source_files(source: str, text_field: str) -> list[SourceFile]:
         try:
             digest, size = _digest(path, check_utf8=path.suffix.lower() != ".parquet")
         except UnicodeDecodeError as err:
-            warnings.warn(f"Skipping {path}: not UTF-8 ({err.reason} near byte {err.start}).", DataWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"Skipping {path}: not UTF-8 ({err.reason} near byte {err.start}).", DataWarning, stacklevel=3
+            )
             skipped.append(str(path))
             continue
         file = SourceFile(str(path), path.relative_to(root).as_posix(), digest, size)
@@ -132,7 +137,9 @@ def read_source_files(source: str, text_field: str) -> list[SourceFile]:
             f"The data source {source!r} has no usable files (skipped as non-UTF-8: {skipped}); give UTF-8 text."
         )
     if all(f.size == 0 for f in result):
-        raise DataError(f"The data source {source!r} is empty (all {len(result)} files have 0 bytes); give some text.")
+        raise DataError(
+            f"The data source {source!r} is empty (all {len(result)} files have 0 bytes); give some text."
+        )
     return result
 
 

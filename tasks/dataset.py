@@ -47,24 +47,36 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def dataset_fingerprint(corpus: Corpus, tokenizer: TokenizerRef, seq_len: int, keep_remainder: bool,
-                        add_bos: bool) -> str:
-    return blake(FORMAT_VERSION, corpus.fingerprint, tokenizer.fingerprint, str(seq_len),
-                 f"keep_remainder={keep_remainder}", f"add_bos={add_bos}")
+def dataset_fingerprint(
+    corpus: Corpus, tokenizer: TokenizerRef, seq_len: int, keep_remainder: bool, add_bos: bool
+) -> str:
+    return blake(
+        FORMAT_VERSION,
+        corpus.fingerprint,
+        tokenizer.fingerprint,
+        str(seq_len),
+        f"keep_remainder={keep_remainder}",
+        f"add_bos={add_bos}",
+    )
 
 
 def load_dataset_ref(directory: Path) -> DatasetRef:
     meta = json.loads((directory / "meta.json").read_text())
     fields = ("seq_len", "vocab_size", "train_blocks", "val_blocks", "train_tokens", "val_tokens")
-    return DatasetRef(path=str(directory), fingerprint=meta["fingerprint"], stats=meta["stats"],
-                      **{name: meta[name] for name in fields})
+    return DatasetRef(
+        path=str(directory),
+        fingerprint=meta["fingerprint"],
+        stats=meta["stats"],
+        **{name: meta[name] for name in fields},
+    )
 
 
 # ---------------------------------------------------------------------------------------- tokenizing
 
 
-def _encode_batch(batch: dict[str, list[str]], tokenizer_path: str, bos_id: int | None, eos_id: int,
-                  dtype: str) -> dict[str, list[Any]]:
+def _encode_batch(
+    batch: dict[str, list[str]], tokenizer_path: str, bos_id: int | None, eos_id: int, dtype: str
+) -> dict[str, list[Any]]:
     """One map batch → one row: the batch's documents' ids, each followed by EOS, concatenated."""
     tokenizer = _TOKENIZERS.get(tokenizer_path)
     if tokenizer is None:  # loaded once per worker process
@@ -85,25 +97,48 @@ def _encode_batch(batch: dict[str, list[str]], tokenizer_path: str, bos_id: int 
     }
 
 
-def _token_chunks(split: CorpusSplit, tokenizer: TokenizerRef, *, add_bos: bool, dtype: np.dtype,
-                  num_proc: int, streaming: bool, counts: dict[str, int]) -> Iterator[np.ndarray]:
+def _token_chunks(
+    split: CorpusSplit,
+    tokenizer: TokenizerRef,
+    *,
+    add_bos: bool,
+    dtype: np.dtype,
+    num_proc: int,
+    streaming: bool,
+    counts: dict[str, int],
+) -> Iterator[np.ndarray]:
     """Token arrays of a split, in corpus order; fills `counts` with documents and bytes."""
     from datasets import Features, List, Value
 
-    features = Features({"ids": List(Value(dtype.name)), "documents": Value("int64"), "bytes": Value("int64")})
-    fn_kwargs = {"tokenizer_path": tokenizer.path, "bos_id": tokenizer.bos_id if add_bos else None,
-                 "eos_id": tokenizer.eos_id, "dtype": dtype.name}
+    features = Features(
+        {"ids": List(Value(dtype.name)), "documents": Value("int64"), "bytes": Value("int64")}
+    )
+    fn_kwargs = {
+        "tokenizer_path": tokenizer.path,
+        "bos_id": tokenizer.bos_id if add_bos else None,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype.name,
+    }
     docs = split.dataset(streaming=streaming)
-    common = {"batched": True, "batch_size": MAP_BATCH_SIZE, "remove_columns": ["text"], "features": features,
-              "fn_kwargs": fn_kwargs}
+    common = {
+        "batched": True,
+        "batch_size": MAP_BATCH_SIZE,
+        "remove_columns": ["text"],
+        "features": features,
+        "fn_kwargs": fn_kwargs,
+    }
     if streaming:
         mapped = docs.map(_encode_batch, **common)
     else:
         # More processes than map batches would only add start-up time.
         workers = min(num_proc, -(-len(docs) // MAP_BATCH_SIZE))
-        mapped = docs.map(_encode_batch, num_proc=workers if workers > 1 else None, desc=f"tokenize {split.name}",
-                          new_fingerprint=blake(split.fingerprint, tokenizer.fingerprint, str(add_bos), dtype.name),
-                          **common)
+        mapped = docs.map(
+            _encode_batch,
+            num_proc=workers if workers > 1 else None,
+            desc=f"tokenize {split.name}",
+            new_fingerprint=blake(split.fingerprint, tokenizer.fingerprint, str(add_bos), dtype.name),
+            **common,
+        )
     for table in mapped.with_format("arrow").iter(batch_size=16):
         counts["documents"] += sum(table.column("documents").to_pylist())
         counts["bytes"] += sum(table.column("bytes").to_pylist())
@@ -123,8 +158,16 @@ def _write_tokens(chunks: Iterator[np.ndarray], path: Path) -> int:
     return total
 
 
-def _pack(raw_path: Path, npy_path: Path, n_tokens: int, *, seq_len: int, keep_remainder: bool, pad_id: int,
-          dtype: np.dtype) -> tuple[int, int]:
+def _pack(
+    raw_path: Path,
+    npy_path: Path,
+    n_tokens: int,
+    *,
+    seq_len: int,
+    keep_remainder: bool,
+    pad_id: int,
+    dtype: np.dtype,
+) -> tuple[int, int]:
     """Cut the raw stream into (n_blocks, seq_len + 1) rows of an .npy; returns (blocks, stream tokens kept)."""
     width = seq_len + 1
     full, remainder = divmod(n_tokens, width)
@@ -163,7 +206,9 @@ def _early_checks(corpus: Corpus, seq_len: int, add_bos: bool) -> None:
         documents = max(len(split.parts), 1)
         bound = split.bytes + documents * (1 + int(add_bos))
         if split.bytes == 0 or bound < seq_len + 1:
-            raise _too_few_tokens(split.name, bound if split.bytes else 0, seq_len, estimated=bool(split.bytes))
+            raise _too_few_tokens(
+                split.name, bound if split.bytes else 0, seq_len, estimated=bool(split.bytes)
+            )
 
 
 # ------------------------------------------------------------------------------------------ building
@@ -171,9 +216,13 @@ def _early_checks(corpus: Corpus, seq_len: int, add_bos: bool) -> None:
 
 def _validate_inputs(tokenizer: TokenizerRef, seq_len: int, num_proc: int | None) -> int:
     if seq_len < 2:
-        raise DataError(f"seq_len={seq_len} is too small: a block needs at least 2 tokens to predict one; try 256.")
+        raise DataError(
+            f"seq_len={seq_len} is too small: a block needs at least 2 tokens to predict one; try 256."
+        )
     if not Path(tokenizer.path).is_file():
-        raise DataError(f"Tokenizer file {tokenizer.path} is missing (cache cleared?); run train_tokenizer again.")
+        raise DataError(
+            f"Tokenizer file {tokenizer.path} is missing (cache cleared?); run train_tokenizer again."
+        )
     if num_proc is None:
         return max(1, min(2, os.cpu_count() or 1))
     if num_proc < 1:
@@ -204,8 +253,15 @@ def build_dataset(
     """
     del seed
     workers = _validate_inputs(tokenizer, seq_len, num_proc)
-    corpus = resolve_corpus(data, val_fraction=val_fraction, val_data=val_data, text_field=text_field,
-                            hf_split=hf_split, hf_val_split=hf_val_split, streaming=streaming)
+    corpus = resolve_corpus(
+        data,
+        val_fraction=val_fraction,
+        val_data=val_data,
+        text_field=text_field,
+        hf_split=hf_split,
+        hf_val_split=hf_val_split,
+        streaming=streaming,
+    )
     fingerprint = dataset_fingerprint(corpus, tokenizer, seq_len, keep_remainder, add_bos)
     directory = datasets_dir() / fingerprint
     if is_complete(directory):
@@ -217,8 +273,16 @@ def build_dataset(
     dtype = token_dtype(tokenizer.vocab_size)
     staging = staging_dir(directory)
     try:
-        meta = _build_into(staging, corpus, tokenizer, seq_len, keep_remainder=keep_remainder, add_bos=add_bos,
-                           dtype=dtype, num_proc=workers)
+        meta = _build_into(
+            staging,
+            corpus,
+            tokenizer,
+            seq_len,
+            keep_remainder=keep_remainder,
+            add_bos=add_bos,
+            dtype=dtype,
+            num_proc=workers,
+        )
         meta["fingerprint"] = fingerprint
         meta["stats"]["seconds"] = round(time.perf_counter() - started, 3)
         shutil.copyfile(tokenizer.path, staging / "tokenizer.json")
@@ -236,29 +300,67 @@ def build_dataset(
     return ref
 
 
-def _build_into(staging: Path, corpus: Corpus, tokenizer: TokenizerRef, seq_len: int, *, keep_remainder: bool,
-                add_bos: bool, dtype: np.dtype, num_proc: int) -> dict[str, Any]:
+def _build_into(
+    staging: Path,
+    corpus: Corpus,
+    tokenizer: TokenizerRef,
+    seq_len: int,
+    *,
+    keep_remainder: bool,
+    add_bos: bool,
+    dtype: np.dtype,
+    num_proc: int,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "seq_len": seq_len, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
-        "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id, "dtype": dtype.name,
-        "keep_remainder": keep_remainder, "add_bos": add_bos, "format": FORMAT_VERSION,
+        "seq_len": seq_len,
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "dtype": dtype.name,
+        "keep_remainder": keep_remainder,
+        "add_bos": add_bos,
+        "format": FORMAT_VERSION,
     }
-    stats: dict[str, Any] = {"tokenizer_fingerprint": tokenizer.fingerprint, "corpus": corpus.train.description}
+    stats: dict[str, Any] = {
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "corpus": corpus.train.description,
+    }
     # Validation first: it is small, and a too-small val split should fail before the long train pass.
     for split, short in ((corpus.val, "val"), (corpus.train, "train")):
         counts = {"documents": 0, "bytes": 0}
         raw = staging / f"{short}.tokens.bin"
-        chunks = _token_chunks(split, tokenizer, add_bos=add_bos, dtype=dtype, num_proc=num_proc,
-                               streaming=corpus.spec.streaming, counts=counts)
+        chunks = _token_chunks(
+            split,
+            tokenizer,
+            add_bos=add_bos,
+            dtype=dtype,
+            num_proc=num_proc,
+            streaming=corpus.spec.streaming,
+            counts=counts,
+        )
         n_tokens = _write_tokens(chunks, raw)
         if n_tokens < seq_len + 1:
             raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
-        blocks, kept = _pack(raw, staging / f"{short}.npy", n_tokens, seq_len=seq_len,
-                             keep_remainder=keep_remainder, pad_id=tokenizer.pad_id, dtype=dtype)
+        blocks, kept = _pack(
+            raw,
+            staging / f"{short}.npy",
+            n_tokens,
+            seq_len=seq_len,
+            keep_remainder=keep_remainder,
+            pad_id=tokenizer.pad_id,
+            dtype=dtype,
+        )
         raw.unlink()
         meta[f"{short}_blocks"], meta[f"{short}_tokens"] = blocks, kept - blocks  # row[0] is never a target
-        stats.update({f"{short}_documents": counts["documents"], f"{short}_stream_tokens": n_tokens,
-                      f"{short}_bytes": counts["bytes"], f"{short}_dropped_tokens": n_tokens - kept})
+        stats.update(
+            {
+                f"{short}_documents": counts["documents"],
+                f"{short}_stream_tokens": n_tokens,
+                f"{short}_bytes": counts["bytes"],
+                f"{short}_dropped_tokens": n_tokens - kept,
+            }
+        )
     stream = stats["train_stream_tokens"] + stats["val_stream_tokens"]
     stats["documents"] = stats["train_documents"] + stats["val_documents"]
     stats["tokens"] = stream
@@ -273,11 +375,18 @@ def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> s
     tokenizer = args["tokenizer"]
     if isinstance(tokenizer, dict):
         tokenizer = TokenizerRef(**tokenizer)
-    corpus = resolve_corpus(args.get("data"), val_fraction=args.get("val_fraction"), val_data=args.get("val_data"),
-                            text_field=args.get("text_field"), hf_split=args.get("hf_split"),
-                            hf_val_split=args.get("hf_val_split"), streaming=args.get("streaming"))
-    fingerprint = dataset_fingerprint(corpus, tokenizer, args["seq_len"], bool(args.get("keep_remainder")),
-                                      bool(args.get("add_bos")))
+    corpus = resolve_corpus(
+        args.get("data"),
+        val_fraction=args.get("val_fraction"),
+        val_data=args.get("val_data"),
+        text_field=args.get("text_field"),
+        hf_split=args.get("hf_split"),
+        hf_val_split=args.get("hf_val_split"),
+        streaming=args.get("streaming"),
+    )
+    fingerprint = dataset_fingerprint(
+        corpus, tokenizer, args["seq_len"], bool(args.get("keep_remainder")), bool(args.get("add_bos"))
+    )
     return prefect_cache_key("build_dataset", fingerprint, datasets_dir() / fingerprint)
 
 

@@ -51,12 +51,16 @@ def mean_token_loss(
     model.eval()
     total, count = 0.0, 0
     for start in range(0, n, batch_size):
-        batch = torch.from_numpy(np.asarray(blocks[start : min(start + batch_size, n)]).astype(np.int64)).to(device)
+        batch = torch.from_numpy(np.asarray(blocks[start : min(start + batch_size, n)]).astype(np.int64)).to(
+            device
+        )
         inputs, targets = batch[:, :-1], batch[:, 1:].clone()
         targets[targets == pad_id] = -100
         with autocast(device, dtype):
             logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
         total += loss.item()
         count += int((targets != -100).sum())
     model.train(was_training)

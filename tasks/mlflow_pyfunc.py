@@ -10,7 +10,6 @@ with the model through `code_paths`), torch, tokenizers and mlflow — never `ta
     mlflow.pyfunc.load_model("models:/llamaflow-demo@champion").predict(["def "])
 """
 
-
 import json
 from typing import Any
 

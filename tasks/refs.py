@@ -40,7 +40,9 @@ class ModelRef(_Ref):
 
 
 class CheckpointRef(_Ref):
-    path: str = Field(description="Directory of the final checkpoint (model.safetensors + config.json inside)")
+    path: str = Field(
+        description="Directory of the final checkpoint (model.safetensors + config.json inside)"
+    )
     run_dir: str
     step: int
     tokens_seen: int

@@ -50,7 +50,9 @@ def pip_requirements() -> list[str]:
     ]
 
 
-def _check_inputs(checkpoint: CheckpointRef, tokenizer: TokenizerRef, dataset: DatasetRef, eval_result: EvalResult) -> dict[str, Any]:
+def _check_inputs(
+    checkpoint: CheckpointRef, tokenizer: TokenizerRef, dataset: DatasetRef, eval_result: EvalResult
+) -> dict[str, Any]:
     ckpt = Path(checkpoint.path)
     for name in (WEIGHTS, CONFIG):
         if not (ckpt / name).is_file():
@@ -61,9 +63,13 @@ def _check_inputs(checkpoint: CheckpointRef, tokenizer: TokenizerRef, dataset: D
     if not Path(tokenizer.path).is_file():
         raise FileNotFoundError(f"Tokenizer file {tokenizer.path} does not exist.")
     if not (Path(dataset.path) / "val.npy").is_file():
-        raise FileNotFoundError(f"Dataset {dataset.path} has no val.npy; promotion needs the validation blocks.")
+        raise FileNotFoundError(
+            f"Dataset {dataset.path} has no val.npy; promotion needs the validation blocks."
+        )
     if not math.isfinite(eval_result.val_loss):
-        raise ValueError(f"eval_result.val_loss is {eval_result.val_loss}; a diverged model cannot be registered.")
+        raise ValueError(
+            f"eval_result.val_loss is {eval_result.val_loss}; a diverged model cannot be registered."
+        )
     config = json.loads((ckpt / CONFIG).read_text(encoding="utf-8"))
     if int(config["vocab_size"]) < tokenizer.vocab_size:
         raise ValueError(
@@ -144,7 +150,11 @@ def _champion_loss_on(
 
     recorded = champion.tags.get(TAG_VAL_LOSS)
     same_data = champion.tags.get(TAG_DATASET) == dataset.fingerprint
-    if same_data and champion.tags.get(TAG_EVAL_METHOD) == eval_method(max_blocks, dtype) and recorded is not None:
+    if (
+        same_data
+        and champion.tags.get(TAG_EVAL_METHOD) == eval_method(max_blocks, dtype)
+        and recorded is not None
+    ):
         return float(recorded), "recorded on the same dataset with the same eval method"
     if champion.tags.get(TAG_TOKENIZER, tokenizer.fingerprint) != tokenizer.fingerprint:
         return None, "champion uses another tokenizer: per-token losses are not comparable"
@@ -156,9 +166,13 @@ def _champion_loss_on(
     if model.config.vocab_size < dataset.vocab_size:
         return None, "champion's vocabulary is smaller than this dataset's"
     loss = mean_token_loss(
-        model, Path(dataset.path) / "val.npy", pad_id=tokenizer.pad_id, max_blocks=max_blocks, dtype=dtype,
+        model,
+        Path(dataset.path) / "val.npy",
+        pad_id=tokenizer.pad_id,
+        max_blocks=max_blocks,
+        dtype=dtype,
         device=dev,
-    )  # fmt: skip
+    )
     return loss, f"champion re-evaluated on dataset {dataset.fingerprint[:12]}"
 
 
@@ -211,9 +225,13 @@ def register_model(
         "llamaflow.run_id": run_id,
     }
     version = _log_pyfunc(run_id, checkpoint, tokenizer, model_name, version_tags=decision)
-    client.update_model_version(model_name, version, description=_decision_sentence(
-        version, alias, promoted, eval_result.val_loss, champion, champion_loss, comparison, dataset
-    ))
+    client.update_model_version(
+        model_name,
+        version,
+        description=_decision_sentence(
+            version, alias, promoted, eval_result.val_loss, champion, champion_loss, comparison, dataset
+        ),
+    )
     if promoted:
         client.set_registered_model_alias(model_name, alias, version)
     client.set_tag(run_id, "llamaflow.registered_version", f"{model_name}/{version}")

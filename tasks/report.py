@@ -49,7 +49,11 @@ def publish_summary(result: dict[str, Any]) -> None:
     rows = [("validation loss", f"{ev['val_loss']:.4f}"), ("perplexity", f"{ev['perplexity']:.2f}")]
     if ev.get("initial_val_loss") is not None:
         rows.insert(0, ("validation loss before training", f"{ev['initial_val_loss']:.4f}"))
-    rows += [(k, f"{v:.4g}") for k, v in sorted(result["metrics"].items()) if k not in ("val_loss", "val_perplexity")]
+    rows += [
+        (k, f"{v:.4g}")
+        for k, v in sorted(result["metrics"].items())
+        if k not in ("val_loss", "val_perplexity")
+    ]
     decision = "moved to this version" if reg["promoted"] else "kept by the previous champion"
     champion = reg.get("champion_val_loss")
     lines = [

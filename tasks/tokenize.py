@@ -57,7 +57,9 @@ def load_tokenizer_ref(directory: Path) -> TokenizerRef:
     return TokenizerRef(path=str(directory / "tokenizer.json"), **meta["ref"])
 
 
-def _write(directory: Path, tokenizer: Tokenizer, fingerprint: str, ids: dict[str, int], stats: dict[str, Any]) -> None:
+def _write(
+    directory: Path, tokenizer: Tokenizer, fingerprint: str, ids: dict[str, int], stats: dict[str, Any]
+) -> None:
     staging = staging_dir(directory)
     tokenizer.save(str(staging / "tokenizer.json"))
     ref = {"fingerprint": fingerprint, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), **ids}
@@ -89,8 +91,14 @@ def train_tokenizer(
     if tokenizer_path is not None:
         return import_tokenizer(tokenizer_path)
     _check_vocab_size(vocab_size)
-    corpus = resolve_corpus(data, val_fraction=val_fraction, val_data=val_data, text_field=text_field,
-                            hf_split=hf_split, hf_val_split=hf_val_split)
+    corpus = resolve_corpus(
+        data,
+        val_fraction=val_fraction,
+        val_data=val_data,
+        text_field=text_field,
+        hf_split=hf_split,
+        hf_val_split=hf_val_split,
+    )
     fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, vocab_size, min_frequency)
     directory = tokenizers_dir() / fingerprint
     if is_complete(directory):
@@ -109,14 +117,23 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus.train.texts(), trainer=trainer)
-    ids = {"bos_id": tokenizer.token_to_id(BOS), "eos_id": tokenizer.token_to_id(EOS),
-           "pad_id": tokenizer.token_to_id(PAD)}
+    ids = {
+        "bos_id": tokenizer.token_to_id(BOS),
+        "eos_id": tokenizer.token_to_id(EOS),
+        "pad_id": tokenizer.token_to_id(PAD),
+    }
     assert ids == {"bos_id": 0, "eos_id": 1, "pad_id": 2}, ids
-    stats = {"seconds": round(time.perf_counter() - started, 3), "corpus": corpus.train.description,
-             "train_fingerprint": corpus.train.fingerprint, "requested_vocab_size": vocab_size}
+    stats = {
+        "seconds": round(time.perf_counter() - started, 3),
+        "corpus": corpus.train.description,
+        "train_fingerprint": corpus.train.fingerprint,
+        "requested_vocab_size": vocab_size,
+    }
     _write(directory, tokenizer, fingerprint, ids, stats)
-    data_logger().info(f"tokenizer {fingerprint}: trained vocab {vocab_size} on {corpus.train.description} "
-                       f"in {stats['seconds']:.1f} s")
+    data_logger().info(
+        f"tokenizer {fingerprint}: trained vocab {vocab_size} on {corpus.train.description} "
+        f"in {stats['seconds']:.1f} s"
+    )
     return load_tokenizer_ref(directory)
 
 
@@ -133,13 +150,17 @@ def import_tokenizer(path: str | Path) -> TokenizerRef:
     try:
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # tokenizers raises a bare Exception for malformed files
-        raise DataError(f"{source} is not a valid Hugging Face tokenizer.json ({err}); "
-                        "save one with tokenizers' Tokenizer.save().") from err
+        raise DataError(
+            f"{source} is not a valid Hugging Face tokenizer.json ({err}); "
+            "save one with tokenizers' Tokenizer.save()."
+        ) from err
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     eos_id = _find(vocab, _EOS_NAMES)
     if eos_id is None:
-        raise DataError(f"{source} has no end-of-text token (looked for {list(_EOS_NAMES)}); documents are "
-                        "joined with EOS, so add one with tokenizer.add_special_tokens().")
+        raise DataError(
+            f"{source} has no end-of-text token (looked for {list(_EOS_NAMES)}); documents are "
+            "joined with EOS, so add one with tokenizer.add_special_tokens()."
+        )
     pad_id = _find(vocab, _PAD_NAMES)
     if pad_id is None:
         tokenizer.add_special_tokens([PAD])
@@ -168,11 +189,17 @@ def _tokenizer_cache_key(context: TaskRunContext, parameters: dict[str, Any]) ->
     args = dict(parameters)
     if args.get("tokenizer_path") is not None:
         return None  # importing is cheap and the file may change in place
-    corpus = resolve_corpus(args.get("data"), val_fraction=args.get("val_fraction"), val_data=args.get("val_data"),
-                            text_field=args.get("text_field"), hf_split=args.get("hf_split"),
-                            hf_val_split=args.get("hf_val_split"))
-    fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, args.get("vocab_size", 8192),
-                                        args.get("min_frequency", 2))
+    corpus = resolve_corpus(
+        args.get("data"),
+        val_fraction=args.get("val_fraction"),
+        val_data=args.get("val_data"),
+        text_field=args.get("text_field"),
+        hf_split=args.get("hf_split"),
+        hf_val_split=args.get("hf_val_split"),
+    )
+    fingerprint = tokenizer_fingerprint(
+        corpus.train.fingerprint, args.get("vocab_size", 8192), args.get("min_frequency", 2)
+    )
     return prefect_cache_key("train_tokenizer", fingerprint, tokenizers_dir() / fingerprint)
 
 

@@ -381,7 +381,9 @@ class MlflowSink:
         self.close()
 
 
-def start_system_metrics(run_id: str, sampling_interval_s: float = 10.0, uri: str | None = None) -> Any | None:
+def start_system_metrics(
+    run_id: str, sampling_interval_s: float = 10.0, uri: str | None = None
+) -> Any | None:
     """Start MLflow's CPU/GPU/memory/disk sampler for `run_id` (needs psutil, a dependency).
 
     Returns the monitor; call `.finish()` on it when training ends.

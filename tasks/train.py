@@ -50,7 +50,9 @@ class PrefectProgress:
         self._artifact_id = None
         self._log = _logger()
         if TaskRunContext.get() is not None:
-            self._artifact_id = create_progress_artifact(0.0, key="training-progress", description="Optimizer steps done")
+            self._artifact_id = create_progress_artifact(
+                0.0, key="training-progress", description="Optimizer steps done"
+            )
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         total = int(metrics.get("train/total_steps", self.total_steps or 0)) or None

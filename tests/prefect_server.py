@@ -139,7 +139,9 @@ def deployment_run_cli(
         args += ["--param", f"{key}={json.dumps(value)}"]
     for key, value in (job_variables or {}).items():
         args += ["--job-variable", f"{key}={json.dumps(value)}"]
-    done = subprocess.run(args, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout_s + 60)
+    done = subprocess.run(
+        args, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=timeout_s + 60
+    )
     output = done.stdout + done.stderr
     found = re.search(r"UUID: ([0-9a-f-]{36})", output)
     if found is None:
@@ -164,8 +166,10 @@ def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[st
     log = home / "server.log"
     proc = start(
         [PREFECT_CLI, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-        server_env, home, log,
-    )  # fmt: skip
+        server_env,
+        home,
+        log,
+    )
     try:
         wait_healthy(api_url, proc, log)
         yield api_url, env
@@ -174,7 +178,9 @@ def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[st
 
 
 @contextlib.contextmanager
-def prefect_worker(pool: str, env: Mapping[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def prefect_worker(
+    pool: str, env: Mapping[str, str], cwd: Path, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
     """`prefect worker start --pool POOL`; stops it and every flow-run process it started."""
     proc = start([PREFECT_CLI, "worker", "start", "--pool", pool], env, cwd, log)
     try:

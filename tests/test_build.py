@@ -38,7 +38,9 @@ def test_checkpoint_is_loaded_before_compile(tmp_path: Path) -> None:
     # and the weights really are the checkpoint's, not a fresh initialisation
     reference = LlamaForPretraining(get_preset("tiny", vocab_size=512))
     load_weights(reference, ckpt / "model.safetensors")
-    for (name, a), b in zip(unwrap(compiled).state_dict().items(), reference.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        unwrap(compiled).state_dict().items(), reference.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 

@@ -55,13 +55,19 @@ def test_bad_config_is_rejected_with_a_message_naming_the_problem(fields: dict, 
 def test_cli_flags_override_yaml_which_overrides_the_preset(tmp_path: Path) -> None:
     config_file = tmp_path / "run.yaml"
     config_file.write_text("preset: tiny\nlr: 0.005\nmax_steps: 7\n")
-    cfg = config_from_args(["--config", str(config_file), "--max-steps", "9", "--no-compile", "--seq-len", "64"])
+    cfg = config_from_args(
+        ["--config", str(config_file), "--max-steps", "9", "--no-compile", "--seq-len", "64"]
+    )
     assert (cfg.preset, cfg.lr, cfg.max_steps, cfg.compile, cfg.seq_len) == ("tiny", 0.005, 9, False, 64)
 
 
 def test_cli_help_lists_every_config_field() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "flows.pretrain", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "flows.pretrain", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     for name in PretrainConfig.model_fields:
         assert "--" + name.replace("_", "-") in out
@@ -71,8 +77,11 @@ def test_cli_help_lists_every_config_field() -> None:
 def test_cli_rejects_bad_input_before_starting_prefect() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "flows.pretrain", "--preset", "tiny", "--accumulate-steps", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "accumulate_steps" in proc.stderr
     assert "Traceback" not in proc.stderr

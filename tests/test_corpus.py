@@ -14,8 +14,20 @@ import pytest
 from tasks.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataSpec, DataWarning, resolve_corpus
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-SAMPLE_MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "keyword.py", "glob.py",
-                  "colorsys.py", "this.py", "heapq.py", "copy.py", "struct.py"]
+SAMPLE_MODULES = [
+    "textwrap.py",
+    "string.py",
+    "shlex.py",
+    "fnmatch.py",
+    "bisect.py",
+    "keyword.py",
+    "glob.py",
+    "colorsys.py",
+    "this.py",
+    "heapq.py",
+    "copy.py",
+    "struct.py",
+]
 
 
 def _copy_modules(target: Path, names: list[str] = SAMPLE_MODULES) -> list[Path]:
@@ -140,17 +152,23 @@ def test_hf_dataset_from_a_local_data_directory(tmp_path: Path) -> None:
     assert sorted(train + val) == sorted(r["content"] for r in rows)
     assert train and val and not set(train) & set(val)
     assert list(corpus.val.dataset()["text"]) == val
-    assert corpus.fingerprint == resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content",
-                                                val_fraction=0.2).fingerprint
+    assert (
+        corpus.fingerprint
+        == resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2).fingerprint
+    )
     with pytest.raises(DataError, match=r"no column 'text'.*'content'"):
         resolve_corpus(f"hf:{tmp_path / 'hfdata'}")
 
-    streamed = resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True)
+    streamed = resolve_corpus(
+        f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True
+    )
     assert (list(streamed.train.texts()), list(streamed.val.texts())) == (train, val)
     assert [row["text"] for row in streamed.val.dataset(streaming=True)] == val
     with open(tmp_path / "hfdata" / "train.jsonl", "a") as handle:
         handle.write(json.dumps({"content": "one more row"}) + "\n")
-    grown = resolve_corpus(f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True)
+    grown = resolve_corpus(
+        f"hf:{tmp_path / 'hfdata'}", text_field="content", val_fraction=0.2, streaming=True
+    )
     assert grown.fingerprint != streamed.fingerprint
 
 

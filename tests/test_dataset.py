@@ -23,8 +23,18 @@ from tasks.settings import PROJECT_ROOT
 from tasks.tokenize import train_tokenizer, train_tokenizer_task
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "keyword.py", "glob.py",
-           "colorsys.py", "heapq.py", "copy.py"]
+MODULES = [
+    "textwrap.py",
+    "string.py",
+    "shlex.py",
+    "fnmatch.py",
+    "bisect.py",
+    "keyword.py",
+    "glob.py",
+    "colorsys.py",
+    "heapq.py",
+    "copy.py",
+]
 SEQ_LEN = 32
 
 
@@ -62,11 +72,15 @@ def _stream(texts, tokenizer: TokenizerRef, add_bos: bool = False) -> np.ndarray
 
 
 def _arrays(ref: DatasetRef) -> tuple[np.ndarray, np.ndarray]:
-    return (np.load(Path(ref.path) / "train.npy", mmap_mode="r", allow_pickle=False),
-            np.load(Path(ref.path) / "val.npy", mmap_mode="r", allow_pickle=False))
+    return (
+        np.load(Path(ref.path) / "train.npy", mmap_mode="r", allow_pickle=False),
+        np.load(Path(ref.path) / "val.npy", mmap_mode="r", allow_pickle=False),
+    )
 
 
-def test_blocks_concatenate_back_to_the_token_stream(home: Path, corpus_dir: Path, tokenizer: TokenizerRef) -> None:
+def test_blocks_concatenate_back_to_the_token_stream(
+    home: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
     ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, num_proc=2)
     directory = Path(ref.path)
     assert directory.parent == home / "cache" / "datasets" and directory.name == ref.fingerprint
@@ -83,7 +97,13 @@ def test_blocks_concatenate_back_to_the_token_stream(home: Path, corpus_dir: Pat
 
     meta = json.loads((directory / "meta.json").read_text())
     assert {k: meta[k] for k in ("seq_len", "vocab_size", "bos_id", "eos_id", "pad_id", "dtype")} == {
-        "seq_len": SEQ_LEN, "vocab_size": 384, "bos_id": 0, "eos_id": 1, "pad_id": 2, "dtype": "uint16"}
+        "seq_len": SEQ_LEN,
+        "vocab_size": 384,
+        "bos_id": 0,
+        "eos_id": 1,
+        "pad_id": 2,
+        "dtype": "uint16",
+    }
     assert (meta["train_blocks"], meta["val_blocks"]) == (ref.train_blocks, ref.val_blocks)
     assert meta["stats"]["documents"] == len(MODULES) == ref.stats["documents"]
     assert 1.0 < ref.stats["bytes_per_token"] < 4.0
@@ -91,9 +111,12 @@ def test_blocks_concatenate_back_to_the_token_stream(home: Path, corpus_dir: Pat
     assert (directory / "tokenizer.json").read_bytes() == Path(tokenizer.path).read_bytes()
 
 
-def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(home: Path, corpus_dir: Path,
-                                                                    tokenizer: TokenizerRef) -> None:
-    ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, keep_remainder=True, add_bos=True)
+def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(
+    home: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
+    ref = build_dataset(
+        str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2, keep_remainder=True, add_bos=True
+    )
     train, _ = _arrays(ref)
     stream = _stream(resolve_corpus(str(corpus_dir), val_fraction=0.2).train.texts(), tokenizer, add_bos=True)
     remainder = len(stream) % (SEQ_LEN + 1)
@@ -101,13 +124,16 @@ def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(home: Path,
     assert train.shape[0] == len(stream) // (SEQ_LEN + 1) + 1
     np.testing.assert_array_equal(train.reshape(-1)[: len(stream)], stream)
     assert (train[-1, remainder:] == tokenizer.pad_id).all()
-    assert ref.train_tokens == len(stream) - train.shape[0]  # every stream token but each row's first is a target
+    assert (
+        ref.train_tokens == len(stream) - train.shape[0]
+    )  # every stream token but each row's first is a target
     assert train[0, 0] == tokenizer.bos_id
     assert int((train == tokenizer.bos_id).sum()) == int((train == tokenizer.eos_id).sum())
 
 
-def test_second_call_does_no_work_and_a_content_change_rebuilds(home: Path, corpus_dir: Path,
-                                                                tokenizer: TokenizerRef) -> None:
+def test_second_call_does_no_work_and_a_content_change_rebuilds(
+    home: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
     first = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
     stamps = {p.name: p.stat().st_mtime_ns for p in Path(first.path).iterdir()}
     assert build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2) == first
@@ -125,8 +151,9 @@ def test_second_call_does_no_work_and_a_content_change_rebuilds(home: Path, corp
     assert rebuilt.stats["train_stream_tokens"] == first.stats["train_stream_tokens"]
 
 
-def test_streaming_and_process_count_give_identical_arrays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           tokenizer: TokenizerRef) -> None:
+def test_streaming_and_process_count_give_identical_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer: TokenizerRef
+) -> None:
     import datasets
 
     many = tmp_path / "many"
@@ -146,8 +173,9 @@ def test_streaming_and_process_count_give_identical_arrays(tmp_path: Path, monke
         assert ref.fingerprint == results[0][0].fingerprint
 
 
-def test_jsonl_records_pack_with_eos_between_documents(home: Path, tmp_path: Path,
-                                                       tokenizer: TokenizerRef) -> None:
+def test_jsonl_records_pack_with_eos_between_documents(
+    home: Path, tmp_path: Path, tokenizer: TokenizerRef
+) -> None:
     lines = (STDLIB / "this.py").read_text().splitlines()
     rows = [{"body": line} for line in lines * 8 if line]
     path = tmp_path / "rows.jsonl"
@@ -170,14 +198,22 @@ print(ref.model_dump_json())
 """
 
 
-def test_two_processes_racing_for_one_key_leave_one_valid_dataset(home: Path, tmp_path: Path, corpus_dir: Path,
-                                                                  tokenizer: TokenizerRef) -> None:
+def test_two_processes_racing_for_one_key_leave_one_valid_dataset(
+    home: Path, tmp_path: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
     racers = []
     for i in range(2):
         env = {**os.environ, "LLAMAFLOW_HOME": str(home), "HF_DATASETS_CACHE": str(tmp_path / f"hf{i}")}
-        racers.append(subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(corpus_dir), tokenizer.model_dump_json(), str(SEQ_LEN)],
-            cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        racers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RACER, str(corpus_dir), tokenizer.model_dump_json(), str(SEQ_LEN)],
+                cwd=PROJECT_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [racer.communicate(timeout=120) for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0], [err[-2000:] for _, err in outputs]
     refs = [DatasetRef.model_validate_json(out.strip().splitlines()[-1]) for out, _ in outputs]
@@ -204,8 +240,9 @@ def test_publish_lets_the_first_rename_win(tmp_path: Path) -> None:
     assert not mine.exists() and (final / "meta.json").read_text() == "{}"
 
 
-def test_bad_inputs_fail_before_tokenizing(home: Path, tmp_path: Path, corpus_dir: Path,
-                                           tokenizer: TokenizerRef) -> None:
+def test_bad_inputs_fail_before_tokenizing(
+    home: Path, tmp_path: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
     with pytest.raises(DataError, match=r"seq_len=1 is too small"):
         build_dataset(str(corpus_dir), tokenizer, 1)
     with pytest.raises(DataError, match=r"num_proc=0"):
@@ -217,15 +254,18 @@ def test_bad_inputs_fail_before_tokenizing(home: Path, tmp_path: Path, corpus_di
     small.mkdir()
     (small / "a.txt").write_text("just a few words of training text\n" * 40)
     (small / "b.txt").write_text("tiny\n")
-    with pytest.raises(DataError, match=r"validation split has at most 6 tokens.*seq_len \+ 1 = 33.*smaller seq_len"):
+    with pytest.raises(
+        DataError, match=r"validation split has at most 6 tokens.*seq_len \+ 1 = 33.*smaller seq_len"
+    ):
         build_dataset(str(small), tokenizer, SEQ_LEN, val_data=str(small / "b.txt"))
     with pytest.raises(DataError, match=r"train split has at most \d+ tokens.*seq_len \+ 1 = 4097"):
         build_dataset(str(small / "a.txt"), tokenizer, 4096, val_data=str(corpus_dir))
     assert not (home / "cache" / "datasets").exists()
 
 
-def test_too_few_tokens_after_tokenizing_names_the_count(home: Path, tmp_path: Path,
-                                                         tokenizer: TokenizerRef) -> None:
+def test_too_few_tokens_after_tokenizing_names_the_count(
+    home: Path, tmp_path: Path, tokenizer: TokenizerRef
+) -> None:
     # 29 bytes pass the byte bound (30 tokens at most >= 21), but common keywords encode to fewer.
     (tmp_path / "val.txt").write_text("def return self import class ")
     with pytest.raises(DataError, match=r"validation split has \d+ tokens, fewer than one block.*= 21"):
@@ -250,7 +290,9 @@ def _data_flow(data: str) -> list:
     return [tokenizer_state.name, dataset_state.name, tokenizer, dataset_state.result()]
 
 
-def test_prefect_tasks_are_cached_on_the_content_fingerprint(prefect_api, home: Path, corpus_dir: Path) -> None:
+def test_prefect_tasks_are_cached_on_the_content_fingerprint(
+    prefect_api, home: Path, corpus_dir: Path
+) -> None:
     first = _data_flow(str(corpus_dir))
     assert first[:2] == ["Completed", "Completed"]
     assert isinstance(first[2], TokenizerRef) and isinstance(first[3], DatasetRef)

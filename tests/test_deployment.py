@@ -51,10 +51,18 @@ RUN_TIMEOUT_S = 300
 # Orchestration is under test here, not speed: the tiny model, small eager steps (test_pipeline_e2e.py
 # covers torch.compile), and enough steps and checkpoints for a crash to have something to resume from.
 TINY = {
-    "preset": "tiny", "max_steps": 6, "warmup_steps": 1, "checkpoint_every": 2, "seq_len": 64,
-    "micro_batch_size": 4, "accumulate_steps": 1, "compile": False, "eval_max_blocks": 8, "num_samples": 1,
+    "preset": "tiny",
+    "max_steps": 6,
+    "warmup_steps": 1,
+    "checkpoint_every": 2,
+    "seq_len": 64,
+    "micro_batch_size": 4,
+    "accumulate_steps": 1,
+    "compile": False,
+    "eval_max_blocks": 8,
+    "num_samples": 1,
     "sample_max_new_tokens": 8,
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -92,7 +100,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield Stack(api_url, env, worker_log, tracking_uri)
 
 
-def _start(deployment: str, parameters: dict[str, Any], job_variables: dict[str, Any] | None = None) -> FlowRun:
+def _start(
+    deployment: str, parameters: dict[str, Any], job_variables: dict[str, Any] | None = None
+) -> FlowRun:
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name(deployment)
         return client.create_flow_run_from_deployment(
@@ -108,7 +118,12 @@ def _finish(stack: Stack, deployment: str, config: dict[str, Any], **job_variabl
 def _run_from_cli(stack: Stack, config: dict[str, Any], **job_variables: Any) -> FlowRun:
     """The documented command: prefect deployment run 'pretrain/adhoc' --param config='{...}' --watch."""
     flow_run_id, _ = deployment_run_cli(
-        "pretrain/adhoc", {"config": config}, stack.env, REPO, job_variables=job_variables, timeout_s=RUN_TIMEOUT_S
+        "pretrain/adhoc",
+        {"config": config},
+        stack.env,
+        REPO,
+        job_variables=job_variables,
+        timeout_s=RUN_TIMEOUT_S,
     )
     return wait_for_flow_run(flow_run_id, 30, stack.worker_log)
 
@@ -164,7 +179,9 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
     assert fields["placement"]["enum"] == ["local", "deployment"]
     assert fields["placement"]["default"] == "local"
     assert fields["train_retries"]["default"] == 1
-    assert all(fields[name].get("description") for name in ("preset", "max_steps", "placement", "train_retries"))
+    assert all(
+        fields[name].get("description") for name in ("preset", "max_steps", "placement", "train_retries")
+    )
     assert schema["definitions"]["PretrainConfig"]["additionalProperties"] is False
     assert set(gpu.parameter_openapi_schema["required"]) == {"model", "dataset", "settings"}
 
@@ -172,7 +189,10 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
 @pytest.mark.e2e
 def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> None:
     # Field constraints are in the schema: the server refuses to create the run at all.
-    for bad, problem in (({"accumulate_steps": 0}, "accumulate_steps"), ({"no_such_field": 1}, "no_such_field")):
+    for bad, problem in (
+        ({"accumulate_steps": 0}, "accumulate_steps"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ):
         with pytest.raises(Exception, match=problem):
             _start("pretrain/adhoc", {"config": {"preset": "tiny", **bad}})
 
@@ -279,7 +299,9 @@ def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stac
     (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
     assert train.run_count == 1
     with get_client(sync_client=True) as client:
-        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+        logs = [
+            log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        ]
     stops = [m for m in logs if "training stopped by SIGTERM after step" in m]
     assert stops and not any("resuming from checkpoint" in m for m in logs)
     step = int(stops[0].split("after step ")[1].split(";")[0])
@@ -309,7 +331,10 @@ def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: St
     (train,) = [t for t in _task_runs(child.id) if _task_name(t) == "train"]
     assert train.run_count == 1 and train.state.is_failed()
     with get_client(sync_client=True) as client:
-        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id])))]
+        logs = [
+            log.message
+            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id])))
+        ]
     assert any("training stopped by SIGTERM after step" in m for m in logs)
 
 
@@ -318,12 +343,19 @@ def test_check_placement_names_a_missing_train_deployment(stack: Stack) -> None:
     check_placement(PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/gpu"))
     check_placement(PretrainConfig(preset="tiny", train_deployment="train/absent"))  # local: not looked up
     with pytest.raises(PlacementError, match="'train/absent' does not exist.*prefect --no-prompt deploy"):
-        check_placement(PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/absent"))
+        check_placement(
+            PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/absent")
+        )
 
 
 def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -> None:
-    ref = CheckpointRef(path=str(tmp_path / "step_000008"), run_dir=str(tmp_path), step=8, tokens_seen=16384,
-                        metrics={"train/loss": 5.25})  # fmt: skip
+    ref = CheckpointRef(
+        path=str(tmp_path / "step_000008"),
+        run_dir=str(tmp_path),
+        step=8,
+        tokens_seen=16384,
+        metrics={"train/loss": 5.25},
+    )
     write_result(ref, tmp_path, "run-a")
     assert read_result(tmp_path, "run-a") == ref
     assert [p.name for p in tmp_path.iterdir()] == [RESULT_FILE]  # no temporary file left behind
@@ -337,8 +369,16 @@ def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -
 def test_train_flow_refuses_inputs_it_cannot_see_before_any_work(tmp_path: Path) -> None:
     """The train deployment on another machine: missing shared paths or bad settings fail in its first second."""
     model = ModelRef(path=str(tmp_path / "model"), fingerprint="m", n_params=1)
-    dataset = DatasetRef(path=str(tmp_path / "data"), fingerprint="d", seq_len=64, vocab_size=2048,
-                         train_blocks=1, val_blocks=1, train_tokens=64, val_tokens=64)  # fmt: skip
+    dataset = DatasetRef(
+        path=str(tmp_path / "data"),
+        fingerprint="d",
+        seq_len=64,
+        vocab_size=2048,
+        train_blocks=1,
+        val_blocks=1,
+        train_tokens=64,
+        val_tokens=64,
+    )
     settings = {"micro_batch_size": 4, "checkpoint_dir": str(tmp_path / "ckpt")}
     with pytest.raises(SharedStorageError, match=r"model, .*data not found on this worker.*LLAMAFLOW_HOME"):
         train.fn(model, dataset, settings)

@@ -130,7 +130,9 @@ def test_export_import_round_trip_is_exact(tmp_path: Path) -> None:
         model = ours(case)
         export_hf(model, tmp_path / case)
         keys = set(load_file(tmp_path / case / "model.safetensors"))
-        assert "model.layers.0.self_attn.k_proj.weight" in keys and "model.layers.0.mlp.up_proj.weight" in keys
+        assert (
+            "model.layers.0.self_attn.k_proj.weight" in keys and "model.layers.0.mlp.up_proj.weight" in keys
+        )
         assert not any("qkv_proj" in k or "gate_up_proj" in k for k in keys)
         back = import_hf(tmp_path / case)
         assert back.config == model.config

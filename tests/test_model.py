@@ -197,7 +197,10 @@ def test_weights_round_trip_tied_and_untied(tmp_path) -> None:
         load_weights(fresh, path)
         (tmp_path / f"dir{tied}").mkdir()
         save_weights(model, tmp_path / f"dir{tied}" / "model.safetensors")
-        assert torch.equal(load_weights(tiny(seed=8, tie_word_embeddings=tied), tmp_path / f"dir{tied}").lm_head.weight, model.lm_head.weight)
+        assert torch.equal(
+            load_weights(tiny(seed=8, tie_word_embeddings=tied), tmp_path / f"dir{tied}").lm_head.weight,
+            model.lm_head.weight,
+        )
         ids = torch.randint(0, 8192, (1, 8))
         assert torch.equal(fresh(ids), model(ids))
         assert (fresh.lm_head.weight is fresh.model.embed_tokens.weight) is tied

@@ -54,7 +54,9 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
     import mlflow
 
     mlflow.set_tracking_uri(settings.tracking_uri())
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{tiny_run.model_uri}", dst_path=str(tmp_path)))
+    local = Path(
+        mlflow.artifacts.download_artifacts(artifact_uri=f"{tiny_run.model_uri}", dst_path=str(tmp_path))
+    )
     weights = list(local.rglob("*.safetensors"))
     assert len(weights) == 1
     state = load_file(weights[0])
@@ -64,7 +66,9 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
     fresh = LlamaForPretraining(LlamaConfig.from_dict(json.loads(config_file.read_text())))
     load_weights(fresh, weights[0])
     trained = load_plain_model(tiny_run.checkpoint.path)
-    batch = torch.randint(0, tiny_run.tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(
+        0, tiny_run.tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(batch), trained.eval()(batch), atol=0, rtol=0)
     val_loss = mean_token_loss(

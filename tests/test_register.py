@@ -95,13 +95,30 @@ def _pack(directory: Path, tokenizer: TokenizerRef, train: list[str], val: list[
     fingerprint = hashlib.sha256(
         (directory / "train.npy").read_bytes() + (directory / "val.npy").read_bytes()
     ).hexdigest()
-    meta = {"seq_len": SEQ_LEN, "vocab_size": tokenizer.vocab_size, "bos_id": BOS_ID, "eos_id": EOS_ID,
-            "pad_id": PAD_ID, "dtype": "uint16", "train_blocks": train_blocks, "val_blocks": val_blocks,
-            "train_tokens": len(train_ids), "val_tokens": len(val_ids), "stats": {}}
+    meta = {
+        "seq_len": SEQ_LEN,
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "pad_id": PAD_ID,
+        "dtype": "uint16",
+        "train_blocks": train_blocks,
+        "val_blocks": val_blocks,
+        "train_tokens": len(train_ids),
+        "val_tokens": len(val_ids),
+        "stats": {},
+    }
     (directory / "meta.json").write_text(json.dumps(meta))
-    return DatasetRef(path=str(directory), fingerprint=fingerprint, seq_len=SEQ_LEN,
-                      vocab_size=tokenizer.vocab_size, train_blocks=train_blocks, val_blocks=val_blocks,
-                      train_tokens=len(train_ids), val_tokens=len(val_ids))
+    return DatasetRef(
+        path=str(directory),
+        fingerprint=fingerprint,
+        seq_len=SEQ_LEN,
+        vocab_size=tokenizer.vocab_size,
+        train_blocks=train_blocks,
+        val_blocks=val_blocks,
+        train_tokens=len(train_ids),
+        val_tokens=len(val_ids),
+    )
 
 
 def _checkpoint(directory: Path, model: LlamaForPretraining) -> CheckpointRef:
@@ -222,7 +239,9 @@ def registered(world: World, store: str) -> dict[str, register.RegisteredModel]:
     return {"first": first, "better": better, "worse": worse}
 
 
-def test_only_better_models_take_the_alias(world: World, registered: dict[str, register.RegisteredModel]) -> None:
+def test_only_better_models_take_the_alias(
+    world: World, registered: dict[str, register.RegisteredModel]
+) -> None:
     client = tracking.get_client()
     first, better, worse = registered["first"], registered["better"], registered["worse"]
     assert (first.version, better.version, worse.version) == ("1", "2", "3")
@@ -276,14 +295,18 @@ def test_champion_is_reevaluated_on_other_validation_data(world: World, store: s
     assert tags[register.TAG_EVAL_METHOD] == register.eval_method(4, "bf16")
 
 
-def test_lookup_returns_the_saved_weights_uncompiled(world: World, registered: dict[str, register.RegisteredModel]) -> None:
+def test_lookup_returns_the_saved_weights_uncompiled(
+    world: World, registered: dict[str, register.RegisteredModel]
+) -> None:
     from tasks.build import load_plain_model
 
     model, tokenizer = load_model("models:/llamaflow-test@champion")
     assert not hasattr(model, "_orig_mod") and not model.training
     expected = load_plain_model(world.trained.path).eval()
     assert torch.equal(_logits(model), _logits(expected))
-    assert tokenizer.encode("def f(x):").ids == Tokenizer.from_file(world.tokenizer.path).encode("def f(x):").ids
+    assert (
+        tokenizer.encode("def f(x):").ids == Tokenizer.from_file(world.tokenizer.path).encode("def f(x):").ids
+    )
 
     first, _ = load_model("models:/llamaflow-test/1")
     assert torch.equal(_logits(first), _logits(load_plain_model(world.random_init.path).eval()))
@@ -305,7 +328,9 @@ def test_registered_artifacts_hold_no_pickles(
     tracking.use_tracking_uri()
     local = Path(mlflow.artifacts.download_artifacts("models:/llamaflow-test/2", dst_path=str(tmp_path)))
     files = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
-    assert not [f for f in files if f.endswith((".pt", ".pth", ".pkl", ".pickle", ".bin", ".joblib", ".ckpt"))]
+    assert not [
+        f for f in files if f.endswith((".pt", ".pth", ".pkl", ".pickle", ".bin", ".joblib", ".ckpt"))
+    ]
     assert [f for f in files if f.endswith(".safetensors")] == ["artifacts/model.safetensors"]
     assert "python_model.pkl" not in [Path(f).name for f in files]
     assert "code/model/llama.py" in files
@@ -381,9 +406,12 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
         experiment_id=tracking.ensure_experiment("register-tests"), source_run_id=run_id
     )
     mlflow.pyfunc.log_model(
-        name="echo", python_model=str(code), pip_requirements=["mlflow"], model_id=logged.model_id,
+        name="echo",
+        python_model=str(code),
+        pip_requirements=["mlflow"],
+        model_id=logged.model_id,
         registered_model_name="llamaflow-foreign",
-    )  # fmt: skip
+    )
     tracking.get_client().set_registered_model_alias("llamaflow-foreign", "champion", "1")
     ours = _register(world, world.trained, world.dataset, "llamaflow-foreign")
     assert not ours.promoted and ours.champion_val_loss is None
@@ -397,7 +425,9 @@ def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp
     kwargs = dict(run_id=run_id, tokenizer=world.tokenizer, dataset=world.dataset, model_name="never")
     empty = CheckpointRef(path=str(tmp_path), run_dir=str(tmp_path), step=0, tokens_seen=0)
     with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
-        register.register_model(checkpoint=empty, eval_result=EvalResult(val_loss=1.0, perplexity=2.7), **kwargs)
+        register.register_model(
+            checkpoint=empty, eval_result=EvalResult(val_loss=1.0, perplexity=2.7), **kwargs
+        )
     with pytest.raises(ValueError, match="diverged"):
         register.register_model(
             checkpoint=world.trained, eval_result=EvalResult(val_loss=float("nan"), perplexity=1.0), **kwargs
@@ -418,10 +448,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     mlflow_cli = str(Path(sys.executable).with_name("mlflow"))
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
-        [mlflow_cli, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            mlflow_cli,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:
@@ -434,7 +478,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not come up: {(root / 'server.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"mlflow server did not come up: {(root / 'server.log').read_text()[-2000:]}"
+                )
             time.sleep(0.25)
         yield uri
     finally:
@@ -458,7 +504,9 @@ def test_tracking_and_registry_through_a_server(
     with tracking.MlflowSink(run_id, flush_every_steps=10) as sink:
         for step in range(25):
             sink.log_metrics({"train/loss": 6.0 - 0.1 * step, "train/lr": 1e-3}, step)
-    tracking.log_training_curves(run_id, [{"step": s, "train/loss": 6.0 - 0.1 * s, "lr": 1e-3} for s in range(25)])
+    tracking.log_training_curves(
+        run_id, [{"step": s, "train/loss": 6.0 - 0.1 * s, "lr": 1e-3} for s in range(25)]
+    )
     result = register.register_model(
         run_id=run_id,
         checkpoint=world.trained,

@@ -14,8 +14,20 @@ from tasks.corpus import DataError, resolve_corpus
 from tasks.tokenize import check_vocab_fits, import_tokenizer, train_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "keyword.py", "glob.py",
-           "colorsys.py", "heapq.py", "copy.py", "struct.py", "this.py"]
+MODULES = [
+    "textwrap.py",
+    "string.py",
+    "shlex.py",
+    "fnmatch.py",
+    "bisect.py",
+    "keyword.py",
+    "glob.py",
+    "colorsys.py",
+    "heapq.py",
+    "copy.py",
+    "struct.py",
+    "this.py",
+]
 VOCAB = 400
 
 
@@ -77,8 +89,12 @@ def _gpt2_style_tokenizer(path: Path, specials: list[str]) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([(STDLIB / "textwrap.py").read_text()], trainer=trainer)
     tokenizer.save(str(path))
     return path

@@ -105,7 +105,9 @@ def test_sink_batches_by_step_count_and_keeps_every_point(run_id: str) -> None:
     sink = tracking.MlflowSink(run_id, flush_every_steps=50, flush_every_s=3600)
     started = time.perf_counter()
     for step in range(120):
-        sink.log_metrics({"train/loss": 10.0 - step * 0.05, "train/lr": 1e-3, "train/tokens_per_s": 5000.0}, step)
+        sink.log_metrics(
+            {"train/loss": 10.0 - step * 0.05, "train/lr": 1e-3, "train/tokens_per_s": 5000.0}, step
+        )
     per_step_ms = (time.perf_counter() - started) / 120 * 1000
     assert sink.flushes == 2
     assert len(client.get_metric_history(run_id, "train/loss")) == 100  # the last 20 are still buffered
@@ -189,7 +191,10 @@ def test_metrics_by_step_merges_and_keeps_the_resumed_repetition() -> None:
 def test_training_curves_from_jsonl_with_a_torn_last_line(run_id: str, tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     # The trainer's format: {"step": N, "metrics": {...}}
-    rows = [{"step": s, "metrics": {"train/loss": 8 - s * 0.1, "train/lr": min(1.0, s / 5) * 1e-3}} for s in range(30)]
+    rows = [
+        {"step": s, "metrics": {"train/loss": 8 - s * 0.1, "train/lr": min(1.0, s / 5) * 1e-3}}
+        for s in range(30)
+    ]
     rows.append({"step": 29, "val/loss": 5.5})
     path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 30, "metr')
     figure = tracking.training_curves_figure(tracking.read_metrics_jsonl(path))

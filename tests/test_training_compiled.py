@@ -50,15 +50,25 @@ def run_settings(checkpoint_dir: Path, **overrides: object) -> TrainSettings:
     # Global batch 6 over 29 blocks: steps of 6, 6, 6, 6, 5 blocks; the last one has 2 micro-batches,
     # the second topped up with an empty row, so the compiled shapes never change.
     base: dict[str, object] = dict(
-        micro_batch_size=3, accumulate_steps=2, epochs=2.0, lr=3e-3, warmup_steps=2, compile=True, dtype="bf16",
-        checkpoint_dir=str(checkpoint_dir), checkpoint_every=2, keep_checkpoints=2,
-    )  # fmt: skip
+        micro_batch_size=3,
+        accumulate_steps=2,
+        epochs=2.0,
+        lr=3e-3,
+        warmup_steps=2,
+        compile=True,
+        dtype="bf16",
+        checkpoint_dir=str(checkpoint_dir),
+        checkpoint_every=2,
+        keep_checkpoints=2,
+    )
     base.update(overrides)
     return TrainSettings(**base)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
-def compiled_run(refs: tuple[ModelRef, DatasetRef], tmp_path_factory: pytest.TempPathFactory) -> CheckpointRef:
+def compiled_run(
+    refs: tuple[ModelRef, DatasetRef], tmp_path_factory: pytest.TempPathFactory
+) -> CheckpointRef:
     model, dataset = refs
     return train(model, dataset, run_settings(tmp_path_factory.mktemp("compiled") / "run"), progress=False)
 
@@ -86,18 +96,26 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
     assert [s for s, m in logged.items() if "train/compile_time_s" in m] == [1]
     # The first step pays for compilation and is reported apart from the steady state.
     assert compiled_run.metrics["compile_time_s"] == logged[1]["train/step_time_s"]
-    assert compiled_run.metrics["compile_time_s"] > np.median([logged[s]["train/step_time_s"] for s in range(2, 11)])
+    assert compiled_run.metrics["compile_time_s"] > np.median(
+        [logged[s]["train/step_time_s"] for s in range(2, 11)]
+    )
     assert compiled_run.metrics["tokens_per_s"] > 0 and 0 < compiled_run.metrics["mfu"] < 1
 
 
-def run_worker(settings: TrainSettings, refs: tuple[ModelRef, DatasetRef], fault: str = "") -> subprocess.Popen:
+def run_worker(
+    settings: TrainSettings, refs: tuple[ModelRef, DatasetRef], fault: str = ""
+) -> subprocess.Popen:
     spec = write_worker_spec(refs[0], refs[1], settings)
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     env[ENV_VAR] = fault
     return subprocess.Popen(
-        [sys.executable, "-m", "tasks.training.worker", str(spec)], cwd=PROJECT_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "tasks.training.worker", str(spec)],
+        cwd=PROJECT_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:

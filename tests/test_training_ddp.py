@@ -37,16 +37,28 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(tmp_path: 
     rng = np.random.default_rng(4)
     for row in range(0, 29, 3):
         blocks[row, rng.integers(2, SEQ) :] = PAD
-    dataset = write_packed_dataset(tmp_path / "packed", blocks, pattern_blocks(4, SEQ, VOCAB, 5), vocab_size=VOCAB)
-    model = write_model_ref(tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
+    dataset = write_packed_dataset(
+        tmp_path / "packed", blocks, pattern_blocks(4, SEQ, VOCAB, 5), vocab_size=VOCAB
+    )
+    model = write_model_ref(
+        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    )
 
     def run(name: str, nproc: int, acc: int) -> tuple:
         # 29 blocks, global batch 8: steps of 8, 8, 8, 5 blocks. With 2 ranks the last step gives rank 0 four
         # real rows and rank 1 one real row plus three empty ones.
         settings = TrainSettings(
-            micro_batch_size=2, accumulate_steps=acc, nproc_per_node=nproc, epochs=1.0, lr=3e-3, warmup_steps=1,
-            compile=False, dtype="fp32", device="cpu", checkpoint_dir=str(tmp_path / name),
-        )  # fmt: skip
+            micro_batch_size=2,
+            accumulate_steps=acc,
+            nproc_per_node=nproc,
+            epochs=1.0,
+            lr=3e-3,
+            warmup_steps=1,
+            compile=False,
+            dtype="fp32",
+            device="cpu",
+            checkpoint_dir=str(tmp_path / name),
+        )
         sink = Recorder()
         return train(model, dataset, settings, sink, progress=False), sink
 
@@ -68,7 +80,9 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(tmp_path: 
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
-    moved = max(float((a[n] - load_file(str(Path(model.path) / "model.safetensors"))[n]).abs().max()) for n in a)
+    moved = max(
+        float((a[n] - load_file(str(Path(model.path) / "model.safetensors"))[n]).abs().max()) for n in a
+    )
     assert moved > 1e-3  # the weights did train
 
 
@@ -76,10 +90,17 @@ def test_bad_input_fails_before_launch_and_a_failing_rank_raises_training_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dataset = write_packed_dataset(
-        tmp_path / "packed", pattern_blocks(8, SEQ, VOCAB, 0), pattern_blocks(2, SEQ, VOCAB, 1), vocab_size=VOCAB
+        tmp_path / "packed",
+        pattern_blocks(8, SEQ, VOCAB, 0),
+        pattern_blocks(2, SEQ, VOCAB, 1),
+        vocab_size=VOCAB,
     )
-    model = write_model_ref(tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
-    settings = TrainSettings(micro_batch_size=2, nproc_per_node=2, compile=False, checkpoint_dir=str(tmp_path / "r"))
+    model = write_model_ref(
+        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    )
+    settings = TrainSettings(
+        micro_batch_size=2, nproc_per_node=2, compile=False, checkpoint_dir=str(tmp_path / "r")
+    )
     missing = dataset.model_copy(update={"path": str(tmp_path / "missing")})
     with pytest.raises(FileNotFoundError, match="meta.json is missing"):
         train(model, missing, settings, progress=False)
@@ -93,13 +114,24 @@ def test_bad_input_fails_before_launch_and_a_failing_rank_raises_training_error(
 
 def test_a_stop_request_reaches_every_rank_through_torchrun_and_leaves_a_checkpoint(tmp_path: Path) -> None:
     dataset = write_packed_dataset(
-        tmp_path / "packed", pattern_blocks(16, SEQ, VOCAB, 0), pattern_blocks(2, SEQ, VOCAB, 1), vocab_size=VOCAB
+        tmp_path / "packed",
+        pattern_blocks(16, SEQ, VOCAB, 0),
+        pattern_blocks(2, SEQ, VOCAB, 1),
+        vocab_size=VOCAB,
     )
-    model = write_model_ref(tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
+    model = write_model_ref(
+        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    )
     settings = TrainSettings(
-        micro_batch_size=2, nproc_per_node=2, epochs=None, max_steps=100_000, compile=False, dtype="fp32",
-        device="cpu", checkpoint_dir=str(tmp_path / "r"),
-    )  # fmt: skip
+        micro_batch_size=2,
+        nproc_per_node=2,
+        epochs=None,
+        max_steps=100_000,
+        compile=False,
+        dtype="fp32",
+        device="cpu",
+        checkpoint_dir=str(tmp_path / "r"),
+    )
     sink = Recorder()
     with pytest.raises(TrainingInterrupted, match="stop request"):
         train(model, dataset, settings, sink, progress=False, should_stop=lambda: bool(sink.steps))

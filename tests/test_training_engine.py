@@ -42,7 +42,9 @@ def uneven_blocks(n: int, seed: int) -> np.ndarray:
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     # 29 blocks: with a global batch of 8 every epoch ends in a smaller step of 5 blocks.
     directory = tmp_path_factory.mktemp("packed")
-    return write_packed_dataset(directory, uneven_blocks(29, 0), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB)
+    return write_packed_dataset(
+        directory, uneven_blocks(29, 0), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,15 @@ def model_ref(tmp_path_factory: pytest.TempPathFactory) -> ModelRef:
 
 def settings(tmp_path: Path, name: str = "run", **overrides: object) -> TrainSettings:
     base: dict[str, object] = dict(
-        micro_batch_size=2, accumulate_steps=4, epochs=2.0, lr=3e-3, warmup_steps=2, compile=False,
-        dtype="fp32", checkpoint_dir=str(tmp_path / name),
-    )  # fmt: skip
+        micro_batch_size=2,
+        accumulate_steps=4,
+        epochs=2.0,
+        lr=3e-3,
+        warmup_steps=2,
+        compile=False,
+        dtype="fp32",
+        checkpoint_dir=str(tmp_path / name),
+    )
     base.update(overrides)
     return TrainSettings(**base)  # type: ignore[arg-type]
 
@@ -63,7 +71,9 @@ def final_weights(ref_path: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(ref_path) / "model.safetensors"))
 
 
-def assert_state_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+def assert_state_close(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float
+) -> None:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
@@ -75,7 +85,9 @@ def assert_state_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], r
 def rows_seen(blocks: np.ndarray, steps: int, mb: int, acc: int, world: int) -> list[list[int]]:
     """Per step: the first target token of every real row, over all ranks, in rank/micro-batch order."""
     loaders = [
-        BlockLoader(blocks, pad_id=PAD, micro_batch_size=mb, accumulate_steps=acc, seed=7, rank=r, world_size=world)
+        BlockLoader(
+            blocks, pad_id=PAD, micro_batch_size=mb, accumulate_steps=acc, seed=7, rank=r, world_size=world
+        )
         for r in range(world)
     ]
     seen = []
@@ -124,7 +136,9 @@ def test_loader_masks_padding_and_resumes_from_its_state() -> None:
     loader = BlockLoader(blocks, pad_id=PAD, micro_batch_size=1, accumulate_steps=1, seed=1)
     epoch = [loader.next_step() for _ in range(len(blocks))]
     assert loader.position.epoch == 1 and loader.position.index == 0
-    assert count_targets([t for step in epoch for _, t in step.micro_batches]) == int((blocks[:, 1:] != PAD).sum())
+    assert count_targets([t for step in epoch for _, t in step.micro_batches]) == int(
+        (blocks[:, 1:] != PAD).sum()
+    )
     assert all(not (x == IGNORE_INDEX).any() for step in epoch for x, _ in step.micro_batches)
     with pytest.raises(ValueError, match="same dataset and seed"):
         BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=2).load_state_dict(state)
@@ -133,7 +147,9 @@ def test_loader_masks_padding_and_resumes_from_its_state() -> None:
 # ---------------------------------------------------------------- exact accumulation
 
 
-def step_grads(model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], per_micro_mean: bool) -> dict:
+def step_grads(
+    model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], per_micro_mean: bool
+) -> dict:
     """Gradients of one step: our normalisation (sum / step tokens), or the classic bug (mean of micro-means)."""
     model.zero_grad(set_to_none=True)
     n_tokens = count_targets([t for _, t in micro])
@@ -148,8 +164,16 @@ def test_accumulated_gradients_equal_one_big_batch_and_the_test_catches_per_micr
     torch.manual_seed(0)
     model = LlamaForPretraining(tiny_config())
     blocks = uneven_blocks(8, 11)
-    big = BlockLoader(blocks, pad_id=PAD, micro_batch_size=8, accumulate_steps=1, seed=0).next_step().micro_batches
-    small = BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=0).next_step().micro_batches
+    big = (
+        BlockLoader(blocks, pad_id=PAD, micro_batch_size=8, accumulate_steps=1, seed=0)
+        .next_step()
+        .micro_batches
+    )
+    small = (
+        BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=0)
+        .next_step()
+        .micro_batches
+    )
     counts = [int((t != IGNORE_INDEX).sum()) for _, t in small]
     assert len(set(counts)) > 1, "the micro-batches must hold different token counts for this test to bite"
 
@@ -163,8 +187,15 @@ def test_training_with_accumulation_matches_one_big_micro_batch(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
 ) -> None:
     # 2 epochs of 29 blocks with a global batch of 8: steps of 8, 8, 8 and 5 blocks, uneven padding.
-    split = train(model_ref, dataset, settings(tmp_path, "k_by_b", micro_batch_size=2, accumulate_steps=4), progress=False)
-    whole = train(model_ref, dataset, settings(tmp_path, "kb", micro_batch_size=8, accumulate_steps=1), progress=False)
+    split = train(
+        model_ref,
+        dataset,
+        settings(tmp_path, "k_by_b", micro_batch_size=2, accumulate_steps=4),
+        progress=False,
+    )
+    whole = train(
+        model_ref, dataset, settings(tmp_path, "kb", micro_batch_size=8, accumulate_steps=1), progress=False
+    )
     assert split.step == whole.step == 8
     assert split.tokens_seen == whole.tokens_seen == 2 * dataset.train_tokens
     losses_split = [m["train/loss"] for _, m in sorted(read_metrics(split.run_dir).items())]
@@ -190,15 +221,21 @@ def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
     run = settings(tmp_path, micro_batch_size=mb, accumulate_steps=acc, warmup_steps=2, min_lr_ratio=0.1)
     ref = train(model_ref, dataset, run, progress=False)
     logged = read_metrics(ref.run_dir)
-    assert sorted(logged) == list(range(1, expected_steps + 1))  # ceil(29 / (mb*acc)) steps per epoch, 2 epochs
+    assert sorted(logged) == list(
+        range(1, expected_steps + 1)
+    )  # ceil(29 / (mb*acc)) steps per epoch, 2 epochs
     for step, metrics in logged.items():
-        assert metrics["train/lr"] == pytest.approx(closed_form_cosine(step - 1, 3e-3, 2, expected_steps, 0.1), rel=1e-12)
+        assert metrics["train/lr"] == pytest.approx(
+            closed_form_cosine(step - 1, 3e-3, 2, expected_steps, 0.1), rel=1e-12
+        )
     assert logged[expected_steps]["train/lr"] == pytest.approx(3e-4)
 
 
 def test_wsd_schedule_and_max_steps() -> None:
-    lrs = [lr_at(s, lr=1.0, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
-           for s in range(20)]  # fmt: skip
+    lrs = [
+        lr_at(s, lr=1.0, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+        for s in range(20)
+    ]
     assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
     assert lrs[5:17] == [1.0] * 12  # stable
     assert lrs[17:] == pytest.approx([2 / 3, 1 / 3, 0.0])  # 3 decay steps (20% of 15) down to min_lr
@@ -233,7 +270,9 @@ def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
 
     weights = Path(first.path) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.warns(RuntimeWarning, match=r"skipping checkpoint .*step_000008: model.safetensors does not match"):
+    with pytest.warns(
+        RuntimeWarning, match=r"skipping checkpoint .*step_000008: model.safetensors does not match"
+    ):
         resumed = train(model_ref, dataset, run, progress=False)
     assert resumed.step == 8
     again = {s: m["train/loss"] for s, m in read_metrics(run.checkpoint_dir).items()}
@@ -246,11 +285,18 @@ def test_resume_with_settings_that_change_the_data_order_is_refused(
 ) -> None:
     train(model_ref, dataset, settings(tmp_path, max_steps=2), progress=False)
     with pytest.raises(TrainingError, match="micro_batch_size"):
-        train(model_ref, dataset, settings(tmp_path, max_steps=2, micro_batch_size=4, accumulate_steps=2), progress=False)
+        train(
+            model_ref,
+            dataset,
+            settings(tmp_path, max_steps=2, micro_batch_size=4, accumulate_steps=2),
+            progress=False,
+        )
 
 
 def test_bad_inputs_fail_before_training(tmp_path: Path, dataset: DatasetRef) -> None:
-    small_vocab = write_model_ref(tmp_path / "m", get_preset("tiny", vocab_size=32, max_position_embeddings=SEQ))
+    small_vocab = write_model_ref(
+        tmp_path / "m", get_preset("tiny", vocab_size=32, max_position_embeddings=SEQ)
+    )
     with pytest.raises(TrainingError, match="vocab_size 96 exceeds the model's vocab_size 32"):
         train(small_vocab, dataset, settings(tmp_path), progress=False)
     short = write_model_ref(tmp_path / "m2", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=8))
@@ -282,8 +328,13 @@ def test_time_limit_and_stop_request_end_after_a_checkpoint_and_the_run_resumes(
 
     calls = []
     with pytest.raises(TrainingInterrupted, match=r"after step 3; checkpoint .*step_000003"):
-        train(model_ref, dataset, run.model_copy(update={"max_time_s": None}), progress=False,
-              should_stop=lambda: calls.append(1) or len(calls) >= 2)  # fmt: skip
+        train(
+            model_ref,
+            dataset,
+            run.model_copy(update={"max_time_s": None}),
+            progress=False,
+            should_stop=lambda: calls.append(1) or len(calls) >= 2,
+        )
     done = train(model_ref, dataset, run.model_copy(update={"max_time_s": None}), progress=False)
     assert done.step == 8 and done.metrics["stopped_early"] == 0.0
     # log_every=3 logs the first step of each process, every third step and the last.

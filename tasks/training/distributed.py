@@ -66,7 +66,9 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     device = torch.device(setting)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {setting!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+            raise ValueError(
+                f"device {setting!r} requested but CUDA is not available; use device='cpu' or 'auto'"
+            )
         if device.index is None:
             device = torch.device("cuda", local_rank)
     elif device.type != "cpu":

@@ -39,9 +39,18 @@ from tasks.training.settings import TrainSettings
 
 # Settings that fix the data order and the schedule: a resumed run must use the same ones.
 RESUME_MUST_MATCH = (
-    "micro_batch_size", "accumulate_steps", "nproc_per_node", "epochs", "max_steps", "seed", "lr",
-    "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction",
-)  # fmt: skip
+    "micro_batch_size",
+    "accumulate_steps",
+    "nproc_per_node",
+    "epochs",
+    "max_steps",
+    "seed",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "schedule",
+    "decay_fraction",
+)
 
 
 class TrainingError(RuntimeError):
@@ -113,12 +122,16 @@ def _configure_backends(device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def validate_inputs(model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings) -> tuple[LlamaConfig, dict]:
+def validate_inputs(
+    model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings
+) -> tuple[LlamaConfig, dict]:
     """The model config and dataset meta, after checking that they fit together (cheap, before any work)."""
     model_dir = Path(model_ref.path)
     for name in ("config.json", "model.safetensors"):
         if not (model_dir / name).is_file():
-            raise TrainingError(f"{model_dir / name} is missing: build the ModelRef with config.json + model.safetensors")
+            raise TrainingError(
+                f"{model_dir / name} is missing: build the ModelRef with config.json + model.safetensors"
+            )
     config = LlamaConfig.from_dict(ckpt.read_json(model_dir / "config.json"))
     meta = read_meta(dataset_ref.path)
     if meta["vocab_size"] > config.vocab_size:
@@ -176,9 +189,13 @@ def run_training(
     dist.barrier()
     blocks = open_blocks(dataset_ref.path, "train")
     total_steps = total_optimizer_steps(
-        len(blocks), settings.micro_batch_size, settings.accumulate_steps, dist.world_size, settings.epochs,
+        len(blocks),
+        settings.micro_batch_size,
+        settings.accumulate_steps,
+        dist.world_size,
+        settings.epochs,
         settings.max_steps,
-    )  # fmt: skip
+    )
 
     resume = _find_resume(run_dir, dist)
     state: dict[str, Any] | None = None
@@ -186,7 +203,10 @@ def run_training(
         _check_resume_settings(resume, settings)
         state = ckpt.load_trainer_state(resume)
         if dist.is_main:
-            print(f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}", flush=True)
+            print(
+                f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}",
+                flush=True,
+            )
             JsonlMetrics(run_dir).log_event(resumed_from=str(resume), step=int(state["step"]))
         if state["step"] >= total_steps:
             return _checkpoint_ref(resume, run_dir, state)
@@ -198,13 +218,23 @@ def run_training(
     plain.to(device)
     plain.train()
     optimizer = build_optimizer(
-        plain, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas, eps=settings.eps, device=device
+        plain,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        betas=settings.betas,
+        eps=settings.eps,
+        device=device,
     )
     loader = BlockLoader(
-        blocks, pad_id=meta["pad_id"], micro_batch_size=settings.micro_batch_size,
-        accumulate_steps=settings.accumulate_steps, seed=settings.seed, rank=dist.rank,
-        world_size=dist.world_size, device=device,
-    )  # fmt: skip
+        blocks,
+        pad_id=meta["pad_id"],
+        micro_batch_size=settings.micro_batch_size,
+        accumulate_steps=settings.accumulate_steps,
+        seed=settings.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        device=device,
+    )
     step, tokens_seen = 0, 0
     if state is not None:
         assert resume is not None
@@ -221,10 +251,24 @@ def run_training(
         model = ddp_wrap(model, device)
 
     loop = _Loop(
-        model=model, plain=plain, optimizer=optimizer, loader=loader, settings=settings, dist=dist, device=device,
-        run_dir=run_dir, total_steps=total_steps, step=step, tokens_seen=tokens_seen, config=config,
-        seq_len=meta["seq_len"], sink=sink, progress=progress, should_stop=should_stop, last_checkpoint=resume,
-    )  # fmt: skip
+        model=model,
+        plain=plain,
+        optimizer=optimizer,
+        loader=loader,
+        settings=settings,
+        dist=dist,
+        device=device,
+        run_dir=run_dir,
+        total_steps=total_steps,
+        step=step,
+        tokens_seen=tokens_seen,
+        config=config,
+        seq_len=meta["seq_len"],
+        sink=sink,
+        progress=progress,
+        should_stop=should_stop,
+        last_checkpoint=resume,
+    )
     return loop.run()
 
 
@@ -273,9 +317,14 @@ class _Loop:
         watch = self.compile_watch
         signals = _StopSignals()
         bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (self.progress and self.dist.is_main),
-            desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-        )  # fmt: skip
+            total=self.total_steps,
+            initial=self.step,
+            disable=not (self.progress and self.dist.is_main),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
         compiles_after_first = 0
         with watch.watching(), signals.installed(), bar:
             while self.step < self.total_steps:
@@ -294,16 +343,25 @@ class _Loop:
                 metrics["train/recompiles"] = float(compiles_after_first)
                 self._log(metrics)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}"
+                )
                 self.faults.after_step(self.step)
 
-                stop_signal = signals.received is not None or (self.should_stop is not None and self.should_stop())
-                time_up = self.settings.max_time_s is not None and time.perf_counter() - started > self.settings.max_time_s
+                stop_signal = signals.received is not None or (
+                    self.should_stop is not None and self.should_stop()
+                )
+                time_up = (
+                    self.settings.max_time_s is not None
+                    and time.perf_counter() - started > self.settings.max_time_s
+                )
                 stop_signal, time_up = self.dist.any([stop_signal, time_up], self.device)
                 periodic = self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0
                 last = self.step == self.total_steps
                 if periodic or last or stop_signal or time_up:
-                    self._checkpoint(compiles_after_first, stopped_early=(stop_signal or time_up) and not last)
+                    self._checkpoint(
+                        compiles_after_first, stopped_early=(stop_signal or time_up) and not last
+                    )
                 if stop_signal and not last:
                     raise TrainingInterrupted(
                         f"training stopped by {signals.received or 'a stop request'} after step {self.step}; "
@@ -312,29 +370,39 @@ class _Loop:
                 if time_up:
                     break
         assert self.last_checkpoint is not None
-        return _checkpoint_ref(self.last_checkpoint, self.run_dir, ckpt.load_trainer_state(self.last_checkpoint))
+        return _checkpoint_ref(
+            self.last_checkpoint, self.run_dir, ckpt.load_trainer_state(self.last_checkpoint)
+        )
 
     def _one_step(self) -> dict[str, float]:
         step_number = self.step + 1
         self.faults.before_step(step_number)
         batch = self.loader.next_step()
         lr = lr_at(
-            self.step, lr=self.settings.lr, total_steps=self.total_steps, warmup_steps=self.settings.warmup_steps,
-            min_lr_ratio=self.settings.min_lr_ratio, schedule=self.settings.schedule,
+            self.step,
+            lr=self.settings.lr,
+            total_steps=self.total_steps,
+            warmup_steps=self.settings.warmup_steps,
+            min_lr_ratio=self.settings.min_lr_ratio,
+            schedule=self.settings.schedule,
             decay_fraction=self.settings.decay_fraction,
-        )  # fmt: skip
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
         n_tokens = self.dist.sum(float(count_targets([t for _, t in batch.micro_batches])), self.device)
         if n_tokens == 0:
-            raise TrainingError(f"step {step_number} holds no target tokens (every target is padding); rebuild the dataset")
+            raise TrainingError(
+                f"step {step_number} holds no target tokens (every target is padding); rebuild the dataset"
+            )
         # DDP averages gradients over ranks; scaling by world_size turns that average into the global sum.
         scale = self.dist.world_size / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(batch.micro_batches) - 1
         for i, (inputs, targets) in enumerate(batch.micro_batches):
-            sync = nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
+            sync = (
+                nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
+            )
             with sync:
                 with self._autocast():
                     loss = self.model(inputs, targets)
@@ -386,7 +454,11 @@ class _Loop:
         self.last_metrics = metrics
         if not self.dist.is_main:
             return
-        if self.step % self.settings.log_every and self.step != self.total_steps and self.step != self.start_step + 1:
+        if (
+            self.step % self.settings.log_every
+            and self.step != self.total_steps
+            and self.step != self.start_step + 1
+        ):
             return
         assert self.jsonl is not None
         self.jsonl.log_metrics(metrics, self.step)
@@ -404,7 +476,9 @@ class _Loop:
             "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
             "compile_time_s": self.compile_time_s or 0.0,
             "recompiles": float(recompiles),
-            "compiles": float(self.compile_watch.count),  # frames torch.compile compiled in this process's run
+            "compiles": float(
+                self.compile_watch.count
+            ),  # frames torch.compile compiled in this process's run
             "steps_this_run": float(self.step - self.start_step),
             "total_steps": float(self.total_steps),
             "peak_mem_mb": self.last_metrics.get("train/peak_mem_mb", 0.0),
@@ -419,15 +493,25 @@ class _Loop:
                 "tokens_seen": self.tokens_seen,
                 "loader": self.loader.state_dict(),
                 "rng": ckpt.capture_rng_state(),
-                "schedule": {"lr": self.settings.lr, "warmup_steps": self.settings.warmup_steps,
-                             "min_lr_ratio": self.settings.min_lr_ratio, "schedule": self.settings.schedule},
+                "schedule": {
+                    "lr": self.settings.lr,
+                    "warmup_steps": self.settings.warmup_steps,
+                    "min_lr_ratio": self.settings.min_lr_ratio,
+                    "schedule": self.settings.schedule,
+                },
                 "summary": self._summary(recompiles, stopped_early),
-            }  # fmt: skip
+            }
             self.last_checkpoint = ckpt.write_checkpoint(
-                self.run_dir, self.step, model=self.plain, optimizer=self.optimizer, trainer_state=trainer_state,
-                model_config=self.config.to_dict(), settings=self.settings.model_dump(mode="json"),
-                keep=self.settings.keep_checkpoints, midway=lambda: self.faults.mid_checkpoint(self.step),
-            )  # fmt: skip
+                self.run_dir,
+                self.step,
+                model=self.plain,
+                optimizer=self.optimizer,
+                trainer_state=trainer_state,
+                model_config=self.config.to_dict(),
+                settings=self.settings.model_dump(mode="json"),
+                keep=self.settings.keep_checkpoints,
+                midway=lambda: self.faults.mid_checkpoint(self.step),
+            )
         else:
             self.last_checkpoint = self.run_dir / ckpt.checkpoint_name(self.step)
         self.dist.barrier()
@@ -435,6 +519,9 @@ class _Loop:
 
 def _checkpoint_ref(path: Path, run_dir: Path, state: dict[str, Any]) -> CheckpointRef:
     return CheckpointRef(
-        path=str(path), run_dir=str(run_dir), step=int(state["step"]), tokens_seen=int(state["tokens_seen"]),
+        path=str(path),
+        run_dir=str(run_dir),
+        step=int(state["step"]),
+        tokens_seen=int(state["tokens_seen"]),
         metrics={k: float(v) for k, v in state.get("summary", {}).items()},
     )

@@ -38,17 +38,32 @@ def write_packed_dataset(
         del out
     counts = {n: int((b[:, 1:] != pad_id).sum()) for n, b in (("train", train_blocks), ("val", val_blocks))}
     meta = {
-        "seq_len": seq_len, "vocab_size": vocab_size, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id,
-        "dtype": np.dtype(dtype).name, "train_blocks": len(train_blocks), "val_blocks": len(val_blocks),
-        "train_tokens": counts["train"], "val_tokens": counts["val"], "stats": {},
-    }  # fmt: skip
+        "seq_len": seq_len,
+        "vocab_size": vocab_size,
+        "bos_id": bos_id,
+        "eos_id": eos_id,
+        "pad_id": pad_id,
+        "dtype": np.dtype(dtype).name,
+        "train_blocks": len(train_blocks),
+        "val_blocks": len(val_blocks),
+        "train_tokens": counts["train"],
+        "val_tokens": counts["val"],
+        "stats": {},
+    }
     (directory / "meta.json").write_text(json.dumps(meta, indent=2))
-    digest = hashlib.sha256(np.ascontiguousarray(train_blocks).tobytes() + np.ascontiguousarray(val_blocks).tobytes())
+    digest = hashlib.sha256(
+        np.ascontiguousarray(train_blocks).tobytes() + np.ascontiguousarray(val_blocks).tobytes()
+    )
     return DatasetRef(
-        path=str(directory), fingerprint=digest.hexdigest()[:16], seq_len=seq_len, vocab_size=vocab_size,
-        train_blocks=len(train_blocks), val_blocks=len(val_blocks), train_tokens=counts["train"],
+        path=str(directory),
+        fingerprint=digest.hexdigest()[:16],
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        train_blocks=len(train_blocks),
+        val_blocks=len(val_blocks),
+        train_tokens=counts["train"],
         val_tokens=counts["val"],
-    )  # fmt: skip
+    )
 
 
 def pattern_blocks(n_blocks: int, seq_len: int, vocab_size: int, seed: int, pad_id: int = 0) -> np.ndarray:

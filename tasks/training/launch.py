@@ -38,8 +38,12 @@ def train(
     TrainingInterrupted (SIGINT/SIGTERM or `should_stop()` returned True, after a checkpoint).
     """
     if settings.nproc_per_node == 1:
-        return run_training(model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop)
-    return _train_with_torchrun(model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop)
+        return run_training(
+            model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop
+        )
+    return _train_with_torchrun(
+        model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop
+    )
 
 
 def _train_with_torchrun(
@@ -60,9 +64,15 @@ def _train_with_torchrun(
     offset = metrics_path.stat().st_size if metrics_path.exists() else 0
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc_per_node}",
-        "-m", "tasks.training.worker", str(spec_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={settings.nproc_per_node}",
+        "-m",
+        "tasks.training.worker",
+        str(spec_path),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     # Output is inherited (streamed as it comes); metrics arrive through metrics.jsonl.

@@ -23,7 +23,9 @@ _EMPTY = -1  # slot of a micro-batch that no block fills (the last step of an ep
 def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
     path = Path(dataset_dir) / "meta.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: point the DatasetRef at a directory built by build_dataset")
+        raise FileNotFoundError(
+            f"{path} is missing: point the DatasetRef at a directory built by build_dataset"
+        )
     return json.loads(path.read_text())
 
 

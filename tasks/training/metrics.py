@@ -152,5 +152,3 @@ def _time_matmul(device: torch.device, dtype: torch.dtype, n: int = 2048, repeat
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-

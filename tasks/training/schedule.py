@@ -20,7 +20,9 @@ def total_optimizer_steps(
     An epoch is `ceil(n_blocks / global_batch)` steps: its last step takes the leftover blocks.
     """
     if n_blocks <= 0:
-        raise ValueError("the training split holds no blocks; build the dataset from more text or a shorter seq_len")
+        raise ValueError(
+            "the training split holds no blocks; build the dataset from more text or a shorter seq_len"
+        )
     if epochs is None:
         if max_steps is None:
             raise ValueError("give epochs, max_steps or both")

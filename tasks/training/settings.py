@@ -27,7 +27,9 @@ class TrainSettings(BaseModel):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     warmup_steps: int = Field(default=0, ge=0)
     schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: float = Field(default=0.2, gt=0, le=1, description="wsd: share of post-warmup steps that decay")
+    decay_fraction: float = Field(
+        default=0.2, gt=0, le=1, description="wsd: share of post-warmup steps that decay"
+    )
     weight_decay: float = Field(default=0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
