@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from model.atomic import write_text_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -120,11 +122,7 @@ def gpu_spec_peak(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:

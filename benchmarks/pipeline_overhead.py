@@ -7,7 +7,7 @@ Compared, at the same model, data, settings and step count:
            (ephemeral Prefect server, tokenizer and dataset stages, model build, MLflow run, the `train`
            task with its MLflow metric sink, system metrics and Prefect progress artifact, evaluation,
            registration);
-  * bare:  `tasks.training.train(model_ref, dataset_ref, TrainSettings(**config.train_settings(dir)))`
+  * bare:  `tasks.training.fit(model_ref, dataset_ref, config.train_settings(), run_dir)`
            on the same ModelRef and DatasetRef, no sink, in the same process.
 The training-phase overhead is (train task wall time - bare train wall time) / bare train wall time, where
 the train task's wall time is its Prefect task run's start-to-end time. Both include loading the initial
@@ -125,12 +125,12 @@ def run_flow(config: Any) -> dict[str, Any]:
 
 def run_bare(config: Any, dataset: Any, checkpoint_dir: Path) -> dict[str, Any]:
     from tasks.build import build_model
-    from tasks.training import TrainSettings, train
+    from tasks.training import fit
 
-    model_ref = build_model(config.model_dict(), seed=config.seed, init_checkpoint=config.init_checkpoint)
-    settings = TrainSettings(**config.train_settings(str(checkpoint_dir)))
+    model_ref = build_model(config.llama_config(), seed=config.seed, init_checkpoint=config.init_checkpoint)
+    settings = config.train_settings()
     started = time.perf_counter()
-    ref = train(model_ref, dataset, settings)
+    ref = fit(model_ref, dataset, settings, checkpoint_dir)
     wall = time.perf_counter() - started
     return {
         "wall_s": wall,
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "steps": args.steps,
         "repeats": args.repeats,
-        "compared": "flow: the train task's wall time inside flows.pretrain.pretrain; bare: tasks.training.train "
+        "compared": "flow: the train task's wall time inside flows.pretrain.pretrain; bare: tasks.training.fit "
         "called directly on the same ModelRef/DatasetRef/TrainSettings, same process, no sink",
         "machine": machine_info(torch.device("cpu")),
         "load_average_1m": {"before": load_before, "after": load_after, "per_repeat": loads},
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         markdown_table(
             ["what", "seconds (median)", "tokens/s"],
             [
-                ["bare `tasks.training.train`", f"{bare_train:.2f}", f"{result['bare_tokens_per_s']:,.0f}"],
+                ["bare `tasks.training.fit`", f"{bare_train:.2f}", f"{result['bare_tokens_per_s']:,.0f}"],
                 ["`train` task inside the flow", f"{flow_train:.2f}", f"{result['flow_tokens_per_s']:,.0f}"],
                 ["whole flow (call to return)", f"{flow_wall:.2f}", ""],
             ],

@@ -3,8 +3,8 @@ accumulation 1 vs 8 at the same effective batch (compiled bf16).
 
     .venv/bin/python benchmarks/train_engine.py [--steps 12] [--batch 8] [--seq-len 256] [--threads N]
 
-Every variant runs the real `tasks.training.train` (loader, exact accumulation, AdamW, clipping, a final
-checkpoint) on synthetic packed blocks. tokens/s is the steady state (the first step, which compiles, is
+Every variant runs the real engine, `tasks.training.fit` (loader, exact accumulation, AdamW, clipping, a
+final checkpoint), on the main job's data (the stdlib corpus, tokenized and packed by the data stages). tokens/s is the steady state (the first step, which compiles, is
 left out and reported as compile_time_s). Prints a markdown table and writes
 benchmarks/results/train_engine.json.
 """
@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from model import count_params, get_preset
-from tasks.training import TrainSettings, train
-from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
+from tasks.build import build_model
+from tasks.dataset import build_dataset
+from tasks.tokenize import train_tokenizer
+from tasks.training import TrainSettings, fit
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_engine.json"
 
@@ -59,14 +61,9 @@ def main() -> None:
 
     config = get_preset("demo")
     work = Path(tempfile.mkdtemp(prefix="bench-train-engine-"))
-    n_blocks = args.steps * args.batch
-    dataset = write_packed_dataset(
-        work / "packed",
-        pattern_blocks(n_blocks, args.seq_len, config.vocab_size, 0),
-        pattern_blocks(8, args.seq_len, config.vocab_size, 1),
-        vocab_size=config.vocab_size,
-    )
-    model = write_model_ref(work / "model", config)
+    tokenizer = train_tokenizer(None, config.vocab_size)
+    dataset = build_dataset(None, tokenizer, args.seq_len)
+    model = build_model(config, seed=0)
 
     rows = []
     for name, overrides in variants(args.batch):
@@ -77,10 +74,9 @@ def main() -> None:
             lr=1e-3,
             warmup_steps=2,
             device="cpu" if not torch.cuda.is_available() else "auto",
-            checkpoint_dir=str(work / name.replace(" ", "_").replace(",", "")),
         )
         started = time.perf_counter()
-        ref = train(model, dataset, settings, progress=False)
+        ref = fit(model, dataset, settings, work / name.replace(" ", "_").replace(",", ""), progress=False)
         rows.append(
             {
                 "variant": name,

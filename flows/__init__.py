@@ -1,3 +1,1 @@
-"""Flows compose the tasks; importing `tasks` first applies the embedded defaults before Prefect loads."""
-
-import tasks  # noqa: F401
+"""Flows compose the stages of `tasks/` and validate their one pydantic config; no training logic here."""

@@ -1,7 +1,8 @@
 """PretrainConfig: the one validated parameter of the `pretrain` flow.
 
-A named preset fills in defaults; every field given explicitly overrides it. Validation happens here,
-before any task runs, so bad input costs nothing.
+It is a `TrainSettings` (every training option, defined once in tasks/training/settings.py) plus the
+options of the other stages. A named run preset fills in defaults; every field given explicitly
+overrides it. Validation happens here, before any task runs, so bad input costs nothing.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import glob
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-PRESETS: dict[str, dict[str, Any]] = {
+from model import LlamaConfig
+from tasks.training.settings import TrainSettings
+
+RUN_PRESETS: dict[str, dict[str, Any]] = {
     # Tests and smoke runs: about a minute on 2 CPU cores, cold compile included.
     "tiny": {
         "model": "tiny",
@@ -63,10 +67,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class PretrainConfig(BaseModel):
-    """Everything a pretraining run needs. `preset` fills defaults; explicit values win."""
+class PretrainConfig(TrainSettings):
+    """Everything a pretraining run needs: the training options of `TrainSettings` and those of the other
+    stages. `preset` fills defaults; explicit values win."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     preset: Literal["tiny", "demo", "125m"] = Field(
         "demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)"
@@ -94,37 +99,17 @@ class PretrainConfig(BaseModel):
     init_checkpoint: str | None = Field(
         None, description="Checkpoint directory or model.safetensors to start from"
     )
-    # optimisation
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass")
-    accumulate_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step")
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps (default: from epochs)")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training blocks when max_steps is not set")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps")
-    schedule: Literal["cosine", "wsd"] = Field("cosine", description="cosine, or warmup-stable-decay")
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    seed: int = Field(1337, description="Seeds data order, initialisation and sampling")
-    compile: bool = Field(True, description="torch.compile the model (after any checkpoint is loaded)")
-    dtype: Literal["bf16", "fp32"] = Field("bf16", description="Autocast precision")
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
     # checkpoints
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go; reusing one resumes it (default: a new run directory)"
     )
-    checkpoint_every: int = Field(
-        0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"
-    )
-    keep_checkpoints: int = Field(2, ge=1)
     train_retries: int = Field(1, ge=0, description="Prefect retries of the train task; each retry resumes")
     placement: Literal["local", "deployment"] = Field(
         "local",
         description="local: train in this flow run; deployment: run the train deployment on the GPU pool",
     )
     train_deployment: str = Field(
-        "train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment"
+        "remote-train/gpu", description="Deployment (FLOW/NAME) that trains when placement=deployment"
     )
     # evaluation
     eval_max_blocks: int = Field(256, ge=1, description="Validation blocks scored (the first N, fixed)")
@@ -144,9 +129,9 @@ class PretrainConfig(BaseModel):
         if not isinstance(values, dict):
             return values
         preset = values.get("preset", "demo")
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-        return {**PRESETS[preset], **values}
+        if preset not in RUN_PRESETS:
+            raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}")
+        return {**RUN_PRESETS[preset], **values}
 
     @model_validator(mode="after")
     def _check_consistency(self) -> PretrainConfig:
@@ -181,34 +166,12 @@ class PretrainConfig(BaseModel):
             )
         return self
 
-    def model_dict(self) -> dict[str, Any]:
-        """The LlamaConfig this run trains, as a plain dict."""
+    def llama_config(self) -> LlamaConfig:
+        """The architecture this run trains."""
         from model import get_preset
 
-        return get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides).to_dict()
+        return get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
 
-    def train_settings(self, checkpoint_dir: str) -> dict[str, Any]:
-        """Fields of tasks.training.TrainSettings, as plain values."""
-        keys = (
-            "micro_batch_size",
-            "accumulate_steps",
-            "max_steps",
-            "epochs",
-            "lr",
-            "min_lr_ratio",
-            "warmup_steps",
-            "schedule",
-            "weight_decay",
-            "grad_clip",
-            "seed",
-            "compile",
-            "dtype",
-            "device",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "nproc_per_node",
-        )
-        settings = {k: getattr(self, k) for k in keys}
-        if self.max_steps is not None:  # max_steps alone sets the run length; epochs only without it
-            settings["epochs"] = None
-        return {**settings, "checkpoint_dir": checkpoint_dir}
+    def train_settings(self) -> TrainSettings:
+        """The training options alone: the object the train task, a train deployment and the engine take."""
+        return TrainSettings.model_validate(self.model_dump(include=set(TrainSettings.model_fields)))

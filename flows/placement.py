@@ -1,7 +1,7 @@
 """Where the train task runs: in this flow run (default), or as a separate deployment on the GPU pool.
 
-`placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the `train`
-flow (flows/train_remote.py) through `run_deployment`. Only references cross: paths on storage both
+`placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the
+`remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths on storage both
 machines read at the same path, the MLflow run id and tracking URI. Both sides must therefore share
 LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md explains the set-up.
 """
@@ -9,10 +9,11 @@ LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md ex
 from __future__ import annotations
 
 from flows.config import PretrainConfig
-from flows.train_remote import read_result
-from tasks import settings as project_settings
+from flows.remote_train import read_result
+from tasks import home
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.train import train_task
+from tasks.training import TrainSettings
 
 
 class PlacementError(RuntimeError):
@@ -41,20 +42,26 @@ def _missing(deployment: str, api_url: str) -> PlacementError:
     )
 
 
-def run_training(
-    config: PretrainConfig, model: ModelRef, dataset: DatasetRef, checkpoint_dir: str, run_id: str
+def train_where_placed(
+    config: PretrainConfig, model: ModelRef, dataset: DatasetRef, run_dir: str, run_id: str
 ) -> CheckpointRef:
-    """Train where `config.placement` says; a retry resumes from the newest checkpoint in `checkpoint_dir`.
+    """Train where `config.placement` says; a retry resumes from the newest checkpoint in `run_dir`.
 
     A stop (cancellation, SIGTERM, Ctrl-C) is not retried: training checkpoints and the run ends.
     """
-    train_settings = config.train_settings(checkpoint_dir)
+    settings = config.train_settings()
     if config.placement == "local":
         return train_task.with_options(retries=config.train_retries)(
-            model, dataset, train_settings, run_id=run_id
+            model, dataset, settings, run_dir, run_id=run_id
         )
     return train_on_deployment(
-        config.train_deployment, model, dataset, train_settings, run_id=run_id, retries=config.train_retries
+        config.train_deployment,
+        model,
+        dataset,
+        settings,
+        run_dir,
+        run_id=run_id,
+        retries=config.train_retries,
     )
 
 
@@ -62,23 +69,25 @@ def train_on_deployment(
     deployment: str,
     model: ModelRef,
     dataset: DatasetRef,
-    train_settings: dict,
+    settings: TrainSettings,
+    run_dir: str,
     *,
     run_id: str | None,
     retries: int,
     timeout_s: float | None = None,
 ) -> CheckpointRef:
-    """Run deployment `deployment` (FLOW/NAME of the `train` flow), wait for it, return its CheckpointRef."""
+    """Run deployment `deployment` (FLOW/NAME of the `remote-train` flow), wait for it, return its CheckpointRef."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
     parameters = {
-        "model": model.model_dump(mode="json"),
-        "dataset": dataset.model_dump(mode="json"),
-        "settings": train_settings,
+        "model": model,
+        "dataset": dataset,
+        "settings": settings,
+        "run_dir": run_dir,
         "run_id": run_id,
-        "tracking_uri": project_settings.tracking_uri(),
+        "tracking_uri": home.tracking_uri(),
         "retries": retries,
     }
     # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
@@ -93,4 +102,4 @@ def train_on_deployment(
             f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) ended {name}: "
             f"{state.message if state is not None else ''} (see that run's logs)"
         )
-    return read_result(train_settings["checkpoint_dir"], str(flow_run.id))
+    return read_result(run_dir, str(flow_run.id))

@@ -24,15 +24,15 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel, ValidationError
 
 from flows.config import PretrainConfig
-from flows.placement import check_placement, run_training
-from tasks import report, tracking
+from flows.placement import check_placement, train_where_placed
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
 from tasks.evaluate import evaluate_task
+from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
 from tasks.register import register_task
-from tasks.settings import runs_dir
 from tasks.tokenize import train_tokenizer_task
+from tasks.tracking import report, store
 from tasks.training import TrainingInterrupted
 
 
@@ -60,12 +60,13 @@ def _run_identity(config: PretrainConfig) -> tuple[str, str]:
 @flow(name="pretrain", log_prints=True, validate_parameters=True)
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
+    apply_embedded_defaults()
     log = get_run_logger()
-    uri = tracking.use_tracking_uri()  # fails here, in seconds, when the store is unreachable
+    uri = store.use_tracking_uri()  # fails here, in seconds, when the store is unreachable
     check_placement(config)
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
-    checkpoint_dir = config.checkpoint_dir or str(runs_dir() / run_key)
+    run_dir = config.checkpoint_dir or str(runs_dir() / run_key)
 
     tokenizer = train_tokenizer_task(
         config.data,
@@ -84,14 +85,14 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         text_field=config.text_field,
         seed=config.seed,
     )
-    model = build_model_task(config.model_dict(), seed=config.seed, init_checkpoint=config.init_checkpoint)
+    model = build_model_task(config.llama_config(), seed=config.seed, init_checkpoint=config.init_checkpoint)
     log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
 
-    run_id = tracking.start_run(config.experiment, run_name, tags=report.flow_run_tags())
+    run_id = store.start_run(config.experiment, run_name, tags=report.flow_run_tags())
     try:
-        tracking.log_params(run_id, {**config.model_dump(), "model_config": config.model_dict()})
-        tracking.log_dataset_input(run_id, dataset)
-        checkpoint = run_training(config, model, dataset, checkpoint_dir, run_id)
+        store.log_params(run_id, {**config.model_dump(), "model_config": config.llama_config()})
+        store.log_dataset_input(run_id, dataset)
+        checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
         evaluation = evaluate_task(
             checkpoint,
             dataset,
@@ -119,9 +120,9 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         )
     except BaseException as err:
         stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted)
-        tracking.end_run(run_id, "KILLED" if stopped else "FAILED")
+        store.end_run(run_id, "KILLED" if stopped else "FAILED")
         raise
-    tracking.end_run(run_id, "FINISHED")
+    store.end_run(run_id, "FINISHED")
 
     metrics = {**checkpoint.metrics, "val_loss": evaluation.val_loss, "val_perplexity": evaluation.perplexity}
     result = PretrainResult(
@@ -155,7 +156,7 @@ def _print_summary(result: PretrainResult) -> None:
     lines.append(f"registered: {result.model_uri}  ({verdict} @{result.registered.alias})")
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
-    lines.append(f"look next: {tracking.run_link(result.run_id, result.tracking_uri)}")
+    lines.append(f"look next: {store.run_link(result.run_id, result.tracking_uri)}")
     lines.append(
         f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')"
     )
@@ -226,6 +227,7 @@ def config_from_args(argv: list[str] | None = None) -> PretrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_embedded_defaults()
     try:
         config = config_from_args(argv)
     except ValidationError as err:

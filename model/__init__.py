@@ -2,7 +2,8 @@
 
     config = get_preset("demo", vocab_size=tokenizer_vocab)     # LlamaConfig, HF field names
     model = LlamaForPretraining(config)                         # normal(0, initializer_range) init
-    load_weights(model, "ckpt/model.safetensors")               # into the PLAIN module, then:
+    model = load_pretrained("ckpt/")                            # config.json + model.safetensors, or:
+    load_weights(model, "ckpt/model.safetensors")               # always into the PLAIN module, then:
     compiled = torch.compile(model)
     logits = compiled(input_ids)                                # (B, T, vocab), autocast dtype; no loss
     save_weights(compiled, "out/model.safetensors")             # unwrapped keys, tied head stored once
@@ -13,7 +14,7 @@ Nothing here imports Prefect, MLflow or the pipeline's tasks.
 """
 
 from model.config import (
-    PRESETS,
+    MODEL_PRESETS,
     LlamaConfig,
     count_params,
     describe_presets,
@@ -24,10 +25,10 @@ from model.generate import generate, sample_next
 from model.hf import export_hf, import_hf
 from model.kv_cache import KVCache
 from model.llama import LlamaForPretraining
-from model.weights import load_weights, save_weights, unwrap
+from model.weights import load_pretrained, load_weights, save_weights, unwrap, weights_file
 
 __all__ = [
-    "PRESETS",
+    "MODEL_PRESETS",
     "KVCache",
     "LlamaConfig",
     "LlamaForPretraining",
@@ -39,7 +40,9 @@ __all__ = [
     "sample_next",
     "flops_per_token",
     "get_preset",
+    "load_pretrained",
     "load_weights",
     "save_weights",
     "unwrap",
+    "weights_file",
 ]

@@ -134,7 +134,7 @@ _LLAMA3_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # For tests: runs in milliseconds.
     "tiny": dict(
         vocab_size=8192,
@@ -206,9 +206,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def get_preset(name: str, **overrides: Any) -> LlamaConfig:
     """The named preset (`tiny, demo, small, 125m, 350m, 1b`) with any fields overridden, e.g. `vocab_size`."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return LlamaConfig(**PRESETS[name]).replace(**overrides) if overrides else LlamaConfig(**PRESETS[name])
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return (
+        LlamaConfig(**MODEL_PRESETS[name]).replace(**overrides)
+        if overrides
+        else LlamaConfig(**MODEL_PRESETS[name])
+    )
 
 
 def _config_param_counts(config: LlamaConfig) -> tuple[int, int]:
@@ -265,7 +269,7 @@ def describe_presets(
 ) -> list[dict]:
     """One row per preset: name, total and non-embedding parameters, training FLOPs/token at `seq_len`."""
     rows = []
-    for name in PRESETS:
+    for name in MODEL_PRESETS:
         config = get_preset(name) if vocab_size is None else get_preset(name, vocab_size=vocab_size)
         rows.append(
             {

@@ -20,9 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from model.atomic import atomic_file
 from model.config import LlamaConfig
 from model.llama import LlamaForPretraining
-from model.weights import unwrap
+from model.weights import load_pretrained, unwrap
 
 _BOS_NAMES = ("<|bos|>", "<s>", "<|begin_of_text|>", "<bos>")
 _EOS_NAMES = ("<|eos|>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
@@ -150,9 +151,8 @@ def export_hf(
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     weights_dtype = next(iter(tensors.values())).dtype
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    with atomic_file(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     config_json = hf_config_dict(config, weights_dtype, special_ids)
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     generation = {
@@ -221,16 +221,5 @@ def import_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) 
         raise ValueError(f"{directory}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
     config = LlamaConfig.from_dict(raw)
 
-    with torch.device("meta"):
-        model = LlamaForPretraining(config)
-    model.to_empty(device="cpu")
-
-    state = _from_hf_state(_read_hf_tensors(directory), config)
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{directory}: checkpoint does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    model = load_pretrained(config, _from_hf_state(_read_hf_tensors(directory), config))
     return model.to(dtype) if dtype != torch.float32 else model

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.atomic import atomic_file
+from model.config import LlamaConfig
+from model.llama import LlamaForPretraining
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 COMPILED_MODEL_ERROR = (
     "load weights into the plain module before torch.compile "
@@ -54,17 +62,30 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict[str, 
     if config is not None and hasattr(config, "to_dict"):
         meta["config"] = json.dumps(config.to_dict())
     meta.update(metadata or {})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+    return Path(path)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
+
+
+def weights_file(path: str | os.PathLike) -> Path:
+    """A .safetensors file, or a directory holding `model.safetensors` → that file (no pickles, ever)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no weights at {path}: give a checkpoint directory holding {WEIGHTS_FILE}, or the file itself"
+        )
+    if path.suffix != ".safetensors":
+        raise ValueError(
+            f"{path} is not a .safetensors file; only safetensors weights are loaded (no pickles)"
+        )
+    return path
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
@@ -74,20 +95,20 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """
     if is_compiled(model):
         raise TypeError(COMPILED_MODEL_ERROR)
-    path = Path(path)
-    if path.is_dir():
-        path = path / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} does not exist")
-    if path.suffix != ".safetensors":
-        raise ValueError(
-            f"{path} is not a .safetensors file; only safetensors weights are loaded (no pickles)"
-        )
+    path = weights_file(path)
+    device = next(unwrap(model).parameters()).device
+    saved_config = read_metadata(path).get("config")
+    hint = f" The file was saved from config {saved_config}." if saved_config else ""
+    load_state(model, load_file(str(path), device=str(device)), source=str(path), hint=hint)
+    return model
+
+
+def load_state(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, source: str, hint: str = "") -> None:
+    """Load `tensors` (wrapper prefixes stripped, a tied head filled in) into the plain module, strictly,
+    with an error that names every mismatch."""
     plain = unwrap(model)
-    device = next(plain.parameters()).device
-    loaded = load_file(str(path), device=str(device))
     state = {}
-    for name, tensor in loaded.items():
+    for name, tensor in tensors.items():
         for prefix in _WRAPPER_PREFIXES:
             while name.startswith(prefix):
                 name = name[len(prefix) :]
@@ -104,12 +125,41 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         if k in state and state[k].shape != expected[k].shape
     ]
     if missing or unexpected or wrong_shape:
-        saved_config = read_metadata(path).get("config")
-        hint = f" The file was saved from config {saved_config}." if saved_config else ""
         raise ValueError(
-            f"weights in {path} do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"weights in {source} do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
             f"wrong shapes {wrong_shape[:5]}. Build the model with the config the weights were saved with."
             + hint
         )
     plain.load_state_dict(state, strict=True)
+
+
+def load_pretrained(
+    config: LlamaConfig | Mapping[str, Any] | str | os.PathLike,
+    weights: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+) -> LlamaForPretraining:
+    """The plain (uncompiled) model of `config` holding `weights`: the one way every part of llamaflow
+    builds a model from saved weights. Compile it afterwards if wanted, never before.
+
+    `config`: a LlamaConfig, its dict, a `config.json` or the directory holding one. `weights`: a
+    .safetensors file, a directory holding `model.safetensors`, or a state dict; by default the
+    directory of `config`. The parameters are allocated once, on `device`, without a random init.
+    """
+    if not isinstance(config, LlamaConfig):
+        if not isinstance(config, Mapping):
+            path = Path(config).expanduser()
+            if weights is None:
+                weights = path if path.is_dir() else path.parent
+            config = json.loads((path / CONFIG_FILE if path.is_dir() else path).read_text())
+        config = LlamaConfig.from_dict(dict(config))
+    if weights is None:
+        raise ValueError("load_pretrained needs weights when the config is not a path")
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    model.to_empty(device=device)
+    if isinstance(weights, Mapping):
+        load_state(model, weights, source="the given state dict")
+    else:
+        load_weights(model, weights)
     return model

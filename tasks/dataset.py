@@ -1,6 +1,6 @@
 """Packed token datasets: corpus + tokenizer → `train.npy` / `val.npy` blocks, cached by fingerprint.
 
-Layout (the contract with the trainer): each split is a 2-D array `(n_blocks, seq_len + 1)` of the
+Layout (the contract with the trainer, `tasks/data/packed.py`): each split is a 2-D array `(n_blocks, seq_len + 1)` of the
 smallest unsigned dtype that holds the vocabulary; a row's inputs are `row[:-1]`, its targets
 `row[1:]`. Rows do not overlap, so the rows of a split concatenate back to its token stream. The
 stream is every document's tokens followed by EOS (`add_bos=True` also puts BOS before each
@@ -16,7 +16,6 @@ concatenated ids, written straight to disk, so neither the corpus nor its tokens
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -28,23 +27,20 @@ import numpy as np
 from prefect import task
 from prefect.context import TaskRunContext
 
-from tasks import settings
-from tasks.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
-from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
-from tasks.data_common import data_logger
+from model.atomic import atomic_dir
+from tasks import home
+from tasks.data.cache import is_complete, prefect_cache_key
+from tasks.data.common import data_logger
+from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
+from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta, write_split
 from tasks.refs import DatasetRef, TokenizerRef
 
-FORMAT_VERSION = "packed-v2"  # v2: train_tokens counts targets
 MAP_BATCH_SIZE = 64  # documents per map batch: stdlib files average 16 kB
 _TOKENIZERS: dict[str, Any] = {}
 
 
 def datasets_dir() -> Path:
-    return settings.cache_dir() / "datasets"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    return home.cache_dir() / "datasets"
 
 
 def dataset_fingerprint(
@@ -57,17 +53,6 @@ def dataset_fingerprint(
         str(seq_len),
         f"keep_remainder={keep_remainder}",
         f"add_bos={add_bos}",
-    )
-
-
-def load_dataset_ref(directory: Path) -> DatasetRef:
-    meta = json.loads((directory / "meta.json").read_text())
-    fields = ("seq_len", "vocab_size", "train_blocks", "val_blocks", "train_tokens", "val_tokens")
-    return DatasetRef(
-        path=str(directory),
-        fingerprint=meta["fingerprint"],
-        stats=meta["stats"],
-        **{name: meta[name] for name in fields},
     )
 
 
@@ -174,18 +159,9 @@ def _pack(
     keep_tail = keep_remainder and remainder >= 2
     blocks = full + int(keep_tail)
     kept = full * width + (remainder if keep_tail else 0)
-    out = np.lib.format.open_memmap(npy_path, mode="w+", dtype=dtype, shape=(blocks, width))
-    flat = out.reshape(-1)
-    if n_tokens:
-        stream = np.memmap(raw_path, dtype=dtype, mode="r", shape=(n_tokens,))
-        step = 1 << 22
-        for start in range(0, kept, step):
-            stop = min(start + step, kept)
-            flat[start:stop] = stream[start:stop]
-        del stream
-    flat[kept:] = pad_id
-    out.flush()
-    del flat, out
+    stream = np.memmap(raw_path, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.zeros(0, dtype)
+    write_split(npy_path, stream[:kept], n_blocks=blocks, seq_len=seq_len, pad_id=pad_id)
+    del stream
     return blocks, kept
 
 
@@ -271,10 +247,9 @@ def build_dataset(
 
     started = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
-    staging = staging_dir(directory)
-    try:
+    with atomic_dir(directory) as staged:
         meta = _build_into(
-            staging,
+            staged.path,
             corpus,
             tokenizer,
             seq_len,
@@ -285,12 +260,9 @@ def build_dataset(
         )
         meta["fingerprint"] = fingerprint
         meta["stats"]["seconds"] = round(time.perf_counter() - started, 3)
-        shutil.copyfile(tokenizer.path, staging / "tokenizer.json")
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if not publish(staging, directory):
+        shutil.copyfile(tokenizer.path, staged.path / "tokenizer.json")
+        write_meta(staged.path, meta)
+    if not staged.published:
         data_logger().info(f"dataset {fingerprint}: another process published it first; using theirs")
     ref = load_dataset_ref(directory)
     data_logger().info(
@@ -395,6 +367,5 @@ build_dataset_task = task(
     name="build_dataset",
     cache_key_fn=_dataset_cache_key,
     persist_result=True,
-    result_storage=PREFECT_RESULTS_DIR,
     result_serializer="json",
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from pathlib import Path
@@ -13,18 +12,12 @@ import torch.nn.functional as F
 from prefect import task
 from tokenizers import Tokenizer
 
-from model import LlamaForPretraining, generate
-from tasks.build import load_plain_model
+from model import LlamaForPretraining, generate, load_pretrained
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ModelRef, TokenizerRef
 from tasks.training.distributed import resolve_device
+from tasks.training.precision import autocast
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[object]:
-    if dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -129,8 +122,8 @@ def evaluate(
     kwargs = {"pad_id": tokenizer.pad_id, "max_blocks": max_blocks, "device": dev, "dtype": dtype}
     initial_loss = None
     if initial_model is not None:
-        initial_loss = mean_token_loss(load_plain_model(initial_model.path).to(dev), val_path, **kwargs)
-    model = load_plain_model(checkpoint.path).to(dev).eval()
+        initial_loss = mean_token_loss(load_pretrained(initial_model.path, device=dev), val_path, **kwargs)
+    model = load_pretrained(checkpoint.path, device=dev).eval()
     val_loss = mean_token_loss(model, val_path, **kwargs)
     samples = generate_samples(
         model,

@@ -10,7 +10,6 @@ Without llamaflow, MLflow alone serves the same version as text in, text out:
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from tokenizers import Tokenizer
 
-from model import LlamaConfig, LlamaForPretraining, load_weights
-from tasks import tracking
+from model import LlamaForPretraining, load_pretrained
+from tasks.tracking import store
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 
@@ -54,7 +53,7 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 def resolve_version(uri: str, tracking_uri: str | None = None) -> ModelVersion:
     """The registry entry a `models:/` URI points at now (an alias is resolved once, here)."""
     name, alias, version = parse_model_uri(uri)
-    client = tracking.get_client(tracking.check_tracking_store(tracking_uri))
+    client = store.get_client(store.check_tracking_store(tracking_uri))
     try:
         if alias is not None:
             return client.get_model_version_by_alias(name, alias)
@@ -73,7 +72,7 @@ def download_model_files(uri: str, dst: str | Path, tracking_uri: str | None = N
     import mlflow
     from mlflow.models import Model
 
-    tracking_uri = tracking.use_tracking_uri(tracking_uri)
+    tracking_uri = store.use_tracking_uri(tracking_uri)
     version = resolve_version(uri, tracking_uri)
     local = Path(
         mlflow.artifacts.download_artifacts(
@@ -108,8 +107,6 @@ def load_model(
     parse_model_uri(uri)  # a malformed URI fails before any network or disk work
     with tempfile.TemporaryDirectory(prefix="llamaflow-lookup-") as tmp:
         files = download_model_files(uri, tmp, tracking_uri)
-        config = LlamaConfig.from_dict(json.loads(files.config.read_text(encoding="utf-8")))
-        model = LlamaForPretraining(config)
-        load_weights(model, files.weights)
+        model = load_pretrained(files.config, files.weights, device=device)
         tokenizer = Tokenizer.from_file(str(files.tokenizer))
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer

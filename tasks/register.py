@@ -21,13 +21,16 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
 from prefect import task
 
-from tasks import tracking
+from model import weights as model_weights
+from model.weights import CONFIG_FILE as CONFIG
+from model.weights import WEIGHTS_FILE as WEIGHTS
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
-from tasks.settings import PROJECT_ROOT
+from tasks.tracking import store
 
-PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")
-MODEL_PACKAGE = PROJECT_ROOT / "model"
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# Logged as code (MLflow copies the file and runs it at load time) with the `model` package beside it.
+# (Not imported here: importing it registers the model with MLflow's models-from-code loader.)
+PYFUNC_CODE = Path(__file__).parent / "registry" / "pyfunc.py"
+MODEL_PACKAGE = Path(model_weights.__file__).parent
 
 TAG_PROMOTED = "llamaflow.promoted"
 TAG_VAL_LOSS = "llamaflow.val_loss"
@@ -97,9 +100,9 @@ def _log_pyfunc(
 ) -> str:
     """Log the pyfunc under the run's experiment, register it with `version_tags` (one request on a
     server instead of one per tag), return the new version number."""
-    from tasks.mlflow_pyfunc import DEFAULT_PARAMS
+    from tasks.registry.pyfunc import DEFAULT_PARAMS
 
-    client = tracking.get_client(mlflow.get_tracking_uri())
+    client = store.get_client(mlflow.get_tracking_uri())
     experiment_id = client.get_run(run_id).info.experiment_id
     # Model.log with an explicit model_id puts the model in the run's experiment without touching the
     # process-wide active run or experiment (Prefect tasks run in worker threads).
@@ -197,8 +200,8 @@ def register_model(
     otherwise the champion is evaluated here, on `eval_device`.
     """
     _check_inputs(checkpoint, tokenizer, dataset, eval_result)
-    uri = tracking.use_tracking_uri(tracking_uri)
-    client = tracking.get_client(uri)
+    uri = store.use_tracking_uri(tracking_uri)
+    client = store.get_client(uri)
     client.get_run(run_id)  # an unknown run fails here, before anything is logged
 
     # The comparison runs before anything is logged, so a failing champion evaluation leaves no

@@ -20,10 +20,11 @@ from prefect import task
 from prefect.context import TaskRunContext
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tasks import settings
-from tasks.corpus import DataError, DataSpec, blake, resolve_corpus
-from tasks.data_cache import PREFECT_RESULTS_DIR, is_complete, prefect_cache_key, publish, staging_dir
-from tasks.data_common import data_logger
+from model.atomic import atomic_dir
+from tasks import home
+from tasks.data.cache import is_complete, prefect_cache_key
+from tasks.data.common import data_logger
+from tasks.data.corpus import DataError, DataSpec, blake, resolve_corpus
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"
@@ -37,7 +38,7 @@ _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|padding|>")
 
 
 def tokenizers_dir() -> Path:
-    return settings.cache_dir() / "tokenizers"
+    return home.cache_dir() / "tokenizers"
 
 
 def _check_vocab_size(vocab_size: int) -> None:
@@ -60,11 +61,14 @@ def load_tokenizer_ref(directory: Path) -> TokenizerRef:
 def _write(
     directory: Path, tokenizer: Tokenizer, fingerprint: str, ids: dict[str, int], stats: dict[str, Any]
 ) -> None:
-    staging = staging_dir(directory)
-    tokenizer.save(str(staging / "tokenizer.json"))
-    ref = {"fingerprint": fingerprint, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), **ids}
-    (staging / "meta.json").write_text(json.dumps({"ref": ref, "stats": stats}, indent=2))
-    publish(staging, directory)
+    with atomic_dir(directory) as staged:
+        tokenizer.save(str(staged.path / "tokenizer.json"))
+        ref = {
+            "fingerprint": fingerprint,
+            "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+            **ids,
+        }
+        (staged.path / "meta.json").write_text(json.dumps({"ref": ref, "stats": stats}, indent=2))
 
 
 def train_tokenizer(
@@ -208,6 +212,5 @@ train_tokenizer_task = task(
     name="train_tokenizer",
     cache_key_fn=_tokenizer_cache_key,
     persist_result=True,
-    result_storage=PREFECT_RESULTS_DIR,
     result_serializer="json",
 )

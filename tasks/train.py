@@ -1,4 +1,4 @@
-"""train: the Prefect task around the training engine (`tasks.training`).
+"""train: the Prefect task around the training engine (`tasks.training.fit`).
 
 The engine is plain PyTorch; this wrapper adds what only an orchestrated run has: MLflow metrics,
 a progress artifact in Prefect's UI, step metrics in Prefect's logs at a readable interval, and
@@ -19,7 +19,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.training import MetricSink, TrainingInterrupted, TrainSettings, train
+from tasks.training import MetricSink, TrainingInterrupted, TrainSettings, fit
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
@@ -67,26 +67,26 @@ class PrefectProgress:
             update_progress_artifact(self._artifact_id, progress=100.0 * step / total)
 
 
-def train_model(
+def train(
     model: ModelRef,
     dataset: DatasetRef,
-    settings: dict[str, Any],
+    settings: TrainSettings,
+    run_dir: str,
     *,
     run_id: str | None = None,
     log_interval_s: float = 15.0,
 ) -> CheckpointRef:
-    """Train `model` on `dataset`; metrics go to MLflow run `run_id` when given."""
-    train_settings = TrainSettings(**settings)
-    sinks: list[MetricSink] = [PrefectProgress(train_settings.max_steps, log_interval_s)]
+    """Train `model` on `dataset` in `run_dir` (resuming what it holds); metrics go to MLflow run `run_id`."""
+    sinks: list[MetricSink] = [PrefectProgress(settings.max_steps, log_interval_s)]
     mlflow_sink, monitor = None, None
     if run_id is not None:
-        from tasks.tracking import MlflowSink, start_system_metrics
+        from tasks.tracking.sink import MlflowSink, start_system_metrics
 
         mlflow_sink = MlflowSink(run_id)
         sinks.append(mlflow_sink)
         monitor = start_system_metrics(run_id)
     try:
-        checkpoint = train(model, dataset, train_settings, FanOut(sinks))
+        checkpoint = fit(model, dataset, settings, run_dir, FanOut(sinks))
     except BaseException:
         if mlflow_sink is not None:
             try:
@@ -118,5 +118,5 @@ def retry_unless_stopped(task: Any, task_run: Any, state: Any) -> bool:
 
 
 train_task = task(
-    train_model, name="train", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_stopped
+    train, name="train", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_stopped
 )

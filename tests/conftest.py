@@ -1,7 +1,7 @@
 """Test session set-up: offline, isolated Prefect and llamaflow homes, deterministic torch.
 
 The environment is set before Prefect, MLflow or datasets are imported anywhere, because they read
-it at import time (STACK.md: prefect_test_harness does not isolate stored results on its own).
+it at import time (prefect_test_harness does not isolate stored results on its own).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_CACHE"] = str(_SESSION_DIR / "hf-datasets")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+# Prefect's analytics and start-up timeout come from pyproject.toml ([tool.prefect]): pytest runs here.
 os.environ["LLAMAFLOW_HOME"] = str(_SESSION_DIR / "home")
 os.environ["LLAMAFLOW_MLRUNS"] = str(_SESSION_DIR / "mlruns")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -31,6 +30,10 @@ os.environ.setdefault(
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tasks.home import apply_embedded_defaults  # noqa: E402
+
+apply_embedded_defaults()  # as every entry point does (the test session is one)
 
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,6 +1,6 @@
 """A real Prefect server and process worker for end-to-end tests, started and stopped cleanly.
 
-The process worker starts every flow run in its own session (STACK.md), so killing the worker's
+Prefect 3.9's process worker starts every flow run in its own session, so killing the worker's
 process group leaves the flow runs alive. `stop_process_tree` therefore collects every descendant
 first, then ends each one's process group, then the root's.
 """
@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from uuid import UUID
 
+import psutil
+
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -32,29 +34,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _children() -> dict[int, list[int]]:
-    """Parent pid → child pids, read from /proc (no psutil in the environment)."""
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses; fields after the last ')' are fixed.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
 def descendants(pid: int) -> list[int]:
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -7,11 +7,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import LlamaForPretraining, get_preset, load_weights, save_weights, unwrap
-from tasks.build import build_model, load_plain_model, resolve_weights
+from model import (
+    LlamaConfig,
+    LlamaForPretraining,
+    get_preset,
+    load_pretrained,
+    load_weights,
+    save_weights,
+    unwrap,
+    weights_file,
+)
+from tasks.build import build_model
 
 
-def _trained_looking_checkpoint(tmp_path: Path) -> tuple[dict, Path]:
+def _trained_looking_checkpoint(tmp_path: Path) -> tuple[LlamaConfig, Path]:
     config = get_preset("tiny", vocab_size=512)
     torch.manual_seed(7)
     model = LlamaForPretraining(config)
@@ -21,15 +30,15 @@ def _trained_looking_checkpoint(tmp_path: Path) -> tuple[dict, Path]:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     save_weights(model, ckpt / "model.safetensors")
-    return config.to_dict(), ckpt
+    return config, ckpt
 
 
 def test_checkpoint_is_loaded_before_compile(tmp_path: Path) -> None:
     config, ckpt = _trained_looking_checkpoint(tmp_path)
     ref = build_model(config, seed=0, init_checkpoint=str(ckpt))
 
-    plain = load_plain_model(ref.path, ckpt).eval()
-    compiled = torch.compile(load_plain_model(ref.path).eval())
+    plain = load_pretrained(ref.path, ckpt).eval()
+    compiled = torch.compile(load_pretrained(ref.path).eval())
     batch = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = plain(batch)
@@ -52,7 +61,7 @@ def test_loading_into_a_compiled_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_build_model_is_deterministic_and_cached(tmp_path: Path) -> None:
-    config = get_preset("tiny", vocab_size=512).to_dict()
+    config = get_preset("tiny", vocab_size=512)
     a = build_model(config, seed=3)
     b = build_model(config, seed=3)
     c = build_model(config, seed=4)
@@ -62,7 +71,7 @@ def test_build_model_is_deterministic_and_cached(tmp_path: Path) -> None:
 
 def test_init_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) -> None:
     _, ckpt = _trained_looking_checkpoint(tmp_path)
-    other = get_preset("tiny", vocab_size=1024).to_dict()
+    other = get_preset("tiny", vocab_size=1024)
     with pytest.raises(ValueError, match="do not fit this model"):
         build_model(other, seed=0, init_checkpoint=str(ckpt))
 
@@ -70,5 +79,5 @@ def test_init_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) -> No
 def test_weights_must_be_safetensors(tmp_path: Path) -> None:
     pickled = tmp_path / "weights.pt"
     torch.save({"x": torch.zeros(1)}, pickled)
-    with pytest.raises(ValueError, match="never unpickles"):
-        resolve_weights(pickled)
+    with pytest.raises(ValueError, match="no pickles"):
+        weights_file(pickled)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.config import PRESETS, PretrainConfig
+from flows.config import RUN_PRESETS, PretrainConfig
 from flows.pretrain import config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,18 +17,71 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_preset_fills_defaults_and_explicit_values_win() -> None:
     cfg = PretrainConfig(preset="tiny", lr=1e-2)
-    assert cfg.model == "tiny" and cfg.max_steps == PRESETS["tiny"]["max_steps"]
+    assert cfg.model == "tiny" and cfg.max_steps == RUN_PRESETS["tiny"]["max_steps"]
     assert cfg.lr == 1e-2
     assert PretrainConfig().preset == "demo" and PretrainConfig().model == "demo"
 
 
-def test_train_settings_carry_the_optimisation_fields() -> None:
-    cfg = PretrainConfig(preset="tiny", accumulate_steps=3, compile=False)
-    settings = cfg.train_settings("/tmp/x")
-    assert settings["accumulate_steps"] == 3 and settings["compile"] is False
-    assert settings["checkpoint_dir"] == "/tmp/x"
-    assert settings["epochs"] is None  # max_steps is set, so it alone decides the run length
-    assert PretrainConfig(preset="tiny", max_steps=None).train_settings("/tmp/x")["epochs"] == 1.0
+# A value different from both the default and every preset's, for every training option. A new option of
+# TrainSettings fails this test until it is given one here, so it cannot be forgotten on the way.
+NON_DEFAULT_FLAGS = {
+    "micro_batch_size": ["--micro-batch-size", "3"],
+    "accumulate_steps": ["--accumulate-steps", "5"],
+    "max_steps": ["--max-steps", "77"],
+    "epochs": ["--epochs", "2.5"],
+    "lr": ["--lr", "0.0123"],
+    "min_lr_ratio": ["--min-lr-ratio", "0.25"],
+    "warmup_steps": ["--warmup-steps", "7"],
+    "schedule": ["--schedule", "wsd"],
+    "decay_fraction": ["--decay-fraction", "0.3"],
+    "weight_decay": ["--weight-decay", "0.05"],
+    "betas": ["--betas", "[0.8, 0.9]"],
+    "eps": ["--eps", "1e-7"],
+    "grad_clip": ["--grad-clip", "0"],
+    "seed": ["--seed", "42"],
+    "compile": ["--no-compile"],
+    "dtype": ["--dtype", "fp32"],
+    "device": ["--device", "cpu"],
+    "nproc_per_node": ["--nproc-per-node", "2"],
+    "checkpoint_every": ["--checkpoint-every", "11"],
+    "keep_checkpoints": ["--keep-checkpoints", "4"],
+    "log_every": ["--log-every", "3"],
+    "max_time_s": ["--max-time-s", "60"],
+}
+
+
+def test_every_training_option_goes_from_the_command_line_to_the_engine_unchanged() -> None:
+    from tasks.refs import DatasetRef, ModelRef
+    from tasks.training import TrainSettings
+    from tasks.training.launch import WorkerSpec
+
+    assert set(NON_DEFAULT_FLAGS) == set(TrainSettings.model_fields), (
+        "give every training option a value here"
+    )
+    config = config_from_args(["--preset", "tiny", *sum(NON_DEFAULT_FLAGS.values(), [])])
+    settings = config.train_settings()
+    assert type(settings) is TrainSettings
+    defaults = TrainSettings()
+    for name in TrainSettings.model_fields:
+        assert getattr(settings, name) == getattr(config, name) != getattr(defaults, name), name
+    # What a train deployment's parameter and a torchrun worker receive: the same object, through JSON.
+    spec = WorkerSpec(
+        model_ref=ModelRef(path="m", fingerprint="f", n_params=1),
+        dataset_ref=DatasetRef(
+            path="d",
+            fingerprint="f",
+            seq_len=2,
+            vocab_size=2,
+            train_blocks=1,
+            val_blocks=1,
+            train_tokens=2,
+            val_tokens=2,
+        ),
+        settings=settings,
+        run_dir="r",
+        progress=False,
+    )
+    assert WorkerSpec.model_validate_json(spec.model_dump_json()).settings == settings
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Corpus sources, the by-file split and content fingerprints (tasks/corpus.py); no tokenizing here."""
+"""Corpus sources, the by-file split and content fingerprints (tasks/data/corpus.py); no tokenizing here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataSpec, DataWarning, resolve_corpus
+from tasks.data.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataSpec, DataWarning, resolve_corpus
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SAMPLE_MODULES = [

@@ -15,11 +15,11 @@ from prefect import flow
 from prefect.testing.utilities import prefect_test_harness
 from tokenizers import Tokenizer
 
-from tasks.corpus import DataError, resolve_corpus
-from tasks.data_cache import PREFECT_RESULTS_DIR, publish, staging_dir
-from tasks.dataset import build_dataset, build_dataset_task, token_dtype
+from tasks.data.corpus import DataError, resolve_corpus
+from tasks.data.packed import token_dtype
+from tasks.dataset import build_dataset, build_dataset_task
+from tasks.home import PROJECT_ROOT
 from tasks.refs import DatasetRef, TokenizerRef
-from tasks.settings import PROJECT_ROOT
 from tasks.tokenize import train_tokenizer, train_tokenizer_task
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -230,16 +230,6 @@ def test_token_dtype_is_the_smallest_that_holds_the_vocabulary() -> None:
     assert token_dtype(65537) == np.uint32 and token_dtype(128_256) == np.uint32
 
 
-def test_publish_lets_the_first_rename_win(tmp_path: Path) -> None:
-    final = tmp_path / "cache" / "key"
-    mine, theirs = staging_dir(final), staging_dir(final)
-    (theirs / "meta.json").write_text("{}")
-    (mine / "meta.json").write_text('{"late": true}')
-    assert publish(theirs, final) is True
-    assert publish(mine, final) is False
-    assert not mine.exists() and (final / "meta.json").read_text() == "{}"
-
-
 def test_bad_inputs_fail_before_tokenizing(
     home: Path, tmp_path: Path, corpus_dir: Path, tokenizer: TokenizerRef
 ) -> None:
@@ -296,7 +286,10 @@ def test_prefect_tasks_are_cached_on_the_content_fingerprint(
     first = _data_flow(str(corpus_dir))
     assert first[:2] == ["Completed", "Completed"]
     assert isinstance(first[2], TokenizerRef) and isinstance(first[3], DatasetRef)
-    assert any(PREFECT_RESULTS_DIR.glob(f"build_dataset-{first[3].fingerprint}*"))
+    from prefect.results import get_default_result_storage
+
+    records = Path(get_default_result_storage().basepath).expanduser()
+    assert any(records.glob(f"build_dataset-{first[3].fingerprint}*"))
 
     second = _data_flow(str(corpus_dir))
     assert second[:2] == ["Cached", "Cached"]

@@ -31,6 +31,10 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.config import PretrainConfig
+from flows.placement import PlacementError, check_placement
+from flows.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
 from prefect_server import (
     deployment_run_cli,
     prefect,
@@ -39,11 +43,8 @@ from prefect_server import (
     tail,
     wait_for_flow_run,
 )
-
-from flows.config import PretrainConfig
-from flows.placement import PlacementError, check_placement
-from flows.train_remote import RESULT_FILE, SharedStorageError, read_result, train, write_result
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.training import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = "gpu-pool"
@@ -155,7 +156,7 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
     with get_client(sync_client=True) as client:
         nightly = client.read_deployment_by_name("pretrain/nightly")
         adhoc = client.read_deployment_by_name("pretrain/adhoc")
-        gpu = client.read_deployment_by_name("train/gpu")
+        gpu = client.read_deployment_by_name("remote-train/gpu")
 
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [
         ("0 2 * * *", "Europe/Berlin", True)
@@ -183,7 +184,7 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
         fields[name].get("description") for name in ("preset", "max_steps", "placement", "train_retries")
     )
     assert schema["definitions"]["PretrainConfig"]["additionalProperties"] is False
-    assert set(gpu.parameter_openapi_schema["required"]) == {"model", "dataset", "settings"}
+    assert set(gpu.parameter_openapi_schema["required"]) == {"model", "dataset", "settings", "run_dir"}
 
 
 @pytest.mark.e2e
@@ -256,11 +257,16 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
 @pytest.mark.e2e
 def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     model_name = f"split-{uuid.uuid4().hex[:8]}"
-    config = {**TINY, "model_name": model_name, "placement": "deployment", "train_deployment": "train/gpu"}
+    config = {
+        **TINY,
+        "model_name": model_name,
+        "placement": "deployment",
+        "train_deployment": "remote-train/gpu",
+    }
     run = _finish(stack, "pretrain/adhoc", config)
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
-    # Training ran as its own flow run of train/gpu, linked under the pretrain run; data tasks did not.
+    # Training ran as its own flow run of remote-train/gpu, linked under the pretrain run; data tasks did not.
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])),
@@ -340,7 +346,9 @@ def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: St
 
 @pytest.mark.e2e
 def test_check_placement_names_a_missing_train_deployment(stack: Stack) -> None:
-    check_placement(PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/gpu"))
+    check_placement(
+        PretrainConfig(preset="tiny", placement="deployment", train_deployment="remote-train/gpu")
+    )
     check_placement(PretrainConfig(preset="tiny", train_deployment="train/absent"))  # local: not looked up
     with pytest.raises(PlacementError, match="'train/absent' does not exist.*prefect --no-prompt deploy"):
         check_placement(
@@ -379,15 +387,11 @@ def test_train_flow_refuses_inputs_it_cannot_see_before_any_work(tmp_path: Path)
         train_tokens=64,
         val_tokens=64,
     )
-    settings = {"micro_batch_size": 4, "checkpoint_dir": str(tmp_path / "ckpt")}
+    settings, run_dir = TrainSettings(micro_batch_size=4), str(tmp_path / "ckpt")
     with pytest.raises(SharedStorageError, match=r"model, .*data not found on this worker.*LLAMAFLOW_HOME"):
-        train.fn(model, dataset, settings)
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        train.fn(model, dataset, {**settings, "micro_batch_size": 0})
-    with pytest.raises(ValueError, match="checkpoint_dir"):
-        train.fn(model, dataset, {"micro_batch_size": 4})
+        remote_train.fn(model, dataset, settings, run_dir)
     (tmp_path / "model").mkdir()
     (tmp_path / "data").mkdir()
     elsewhere = f"sqlite:///{tmp_path / 'other-mlflow.db'}"
     with pytest.raises(SharedStorageError, match="MLflow run 0+ is not in the tracking store sqlite:///"):
-        train.fn(model, dataset, settings, run_id="0" * 32, tracking_uri=elsewhere)
+        remote_train.fn(model, dataset, settings, run_dir, run_id="0" * 32, tracking_uri=elsewhere)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from model import (
-    PRESETS,
+    MODEL_PRESETS,
     LlamaConfig,
     LlamaForPretraining,
     count_params,
@@ -42,7 +42,7 @@ def compiled_pair() -> tuple[LlamaForPretraining, torch.nn.Module]:
 
 def test_describe_presets_counts_match_instantiated_models() -> None:
     rows = {row["name"]: row for row in describe_presets(seq_len=1024)}
-    assert set(rows) == set(PRESETS) == {"tiny", "demo", "small", "125m", "350m", "1b"}
+    assert set(rows) == set(MODEL_PRESETS) == {"tiny", "demo", "small", "125m", "350m", "1b"}
     for name, row in rows.items():
         with torch.device("meta"):  # shapes only: no memory for the 1B model
             model = LlamaForPretraining(get_preset(name))

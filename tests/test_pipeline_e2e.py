@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 
 from flows.config import PretrainConfig
 from flows.pretrain import PretrainResult, pretrain
-from model import LlamaConfig, LlamaForPretraining, load_weights
-from tasks import settings
-from tasks.build import load_plain_model
+from model import LlamaConfig, LlamaForPretraining, load_pretrained, load_weights
+from tasks import home
 from tasks.evaluate import mean_token_loss
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +33,7 @@ def tiny_run(prefect_api, tmp_path_factory) -> PretrainResult:
 
 
 def test_flow_registers_a_champion_and_learns(tiny_run: PretrainResult) -> None:
-    client = MlflowClient(settings.tracking_uri())
+    client = MlflowClient(home.tracking_uri())
     version = client.get_model_version_by_alias("e2e-tiny", "champion")
     assert str(version.version) == tiny_run.registered.version
     assert tiny_run.model_uri.startswith("models:/e2e-tiny")
@@ -53,7 +52,7 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
 ) -> None:
     import mlflow
 
-    mlflow.set_tracking_uri(settings.tracking_uri())
+    mlflow.set_tracking_uri(home.tracking_uri())
     local = Path(
         mlflow.artifacts.download_artifacts(artifact_uri=f"{tiny_run.model_uri}", dst_path=str(tmp_path))
     )
@@ -65,7 +64,7 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
     config_file = next(local.rglob("config.json"))
     fresh = LlamaForPretraining(LlamaConfig.from_dict(json.loads(config_file.read_text())))
     load_weights(fresh, weights[0])
-    trained = load_plain_model(tiny_run.checkpoint.path)
+    trained = load_pretrained(tiny_run.checkpoint.path)
     batch = torch.randint(
         0, tiny_run.tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)
     )

@@ -6,7 +6,6 @@ blocks per the dataset contract, a `tiny` Llama at random init and the same one 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -23,14 +22,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from numpy.lib.format import open_memmap
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-from model import LlamaConfig, LlamaForPretraining, get_preset, save_weights
-from tasks import register, tracking
+from model import LlamaConfig, LlamaForPretraining, get_preset, load_pretrained, save_weights
+from tasks import register
+from tasks.dataset import build_dataset
 from tasks.evaluate import mean_token_loss
 from tasks.lookup import load_model, parse_model_uri
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
+from tasks.tokenize import train_tokenizer
+from tasks.tracking import store as tracking_store
+from tasks.tracking.report import training_curves_figure
+from tasks.tracking.sink import MlflowSink
 
 SEQ_LEN = 64
 VOCAB = 384
@@ -46,79 +49,12 @@ def _stdlib_text(names: tuple[str, ...], limit: int) -> list[str]:
     return [(root / name).read_text(encoding="utf-8")[:limit] for name in names]
 
 
-def _train_tokenizer(path: Path, texts: list[str]) -> TokenizerRef:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.save(str(path))
-    return TokenizerRef(
-        path=str(path),
-        fingerprint=hashlib.sha256(path.read_bytes()).hexdigest(),
-        vocab_size=tokenizer.get_vocab_size(),
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        pad_id=PAD_ID,
-    )
-
-
-def _write_blocks(path: Path, ids: list[int]) -> int:
-    width = SEQ_LEN + 1
-    n_blocks = -(-len(ids) // width)
-    padded = np.full(n_blocks * width, PAD_ID, dtype=np.uint16)
-    padded[: len(ids)] = ids
-    blocks = open_memmap(path, mode="w+", dtype=np.uint16, shape=(n_blocks, width))
-    blocks[:] = padded.reshape(n_blocks, width)
-    blocks.flush()
-    return n_blocks
-
-
-def _pack(directory: Path, tokenizer: TokenizerRef, train: list[str], val: list[str]) -> DatasetRef:
+def _corpus(root: Path, name: str, texts: list[str]) -> str:
+    directory = root / name
     directory.mkdir(parents=True)
-    tok = Tokenizer.from_file(tokenizer.path)
-
-    def ids(texts: list[str]) -> list[int]:
-        out: list[int] = []
-        for text in texts:
-            out += tok.encode(text, add_special_tokens=False).ids + [EOS_ID]
-        return out
-
-    train_ids, val_ids = ids(train), ids(val)
-    train_blocks = _write_blocks(directory / "train.npy", train_ids)
-    val_blocks = _write_blocks(directory / "val.npy", val_ids)
-    fingerprint = hashlib.sha256(
-        (directory / "train.npy").read_bytes() + (directory / "val.npy").read_bytes()
-    ).hexdigest()
-    meta = {
-        "seq_len": SEQ_LEN,
-        "vocab_size": tokenizer.vocab_size,
-        "bos_id": BOS_ID,
-        "eos_id": EOS_ID,
-        "pad_id": PAD_ID,
-        "dtype": "uint16",
-        "train_blocks": train_blocks,
-        "val_blocks": val_blocks,
-        "train_tokens": len(train_ids),
-        "val_tokens": len(val_ids),
-        "stats": {},
-    }
-    (directory / "meta.json").write_text(json.dumps(meta))
-    return DatasetRef(
-        path=str(directory),
-        fingerprint=fingerprint,
-        seq_len=SEQ_LEN,
-        vocab_size=tokenizer.vocab_size,
-        train_blocks=train_blocks,
-        val_blocks=val_blocks,
-        train_tokens=len(train_ids),
-        val_tokens=len(val_ids),
-    )
+    for i, text in enumerate(texts):
+        (directory / f"doc{i}.py").write_text(text)
+    return str(directory)
 
 
 def _checkpoint(directory: Path, model: LlamaForPretraining) -> CheckpointRef:
@@ -148,9 +84,7 @@ def _train(model: LlamaForPretraining, dataset: DatasetRef, steps: int) -> None:
 
 
 def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef, max_blocks: int | None = None) -> float:
-    from tasks.build import load_plain_model
-
-    model = load_plain_model(checkpoint.path).eval()
+    model = load_pretrained(checkpoint.path).eval()
     return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID, max_blocks=max_blocks)
 
 
@@ -177,9 +111,11 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     root = tmp_path_factory.mktemp("register-world")
     texts = _stdlib_text(("textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py"), 6000)
-    tokenizer = _train_tokenizer(root / "tokenizer.json", texts)
-    dataset = _pack(root / "data-a", tokenizer, train=texts[:4], val=texts[4:])
-    other = _pack(root / "data-b", tokenizer, train=texts[1:], val=texts[:1])
+    a_train, a_val = _corpus(root, "a-train", texts[:4]), _corpus(root, "a-val", texts[4:])
+    tokenizer = train_tokenizer(a_train, VOCAB, val_data=a_val)
+    dataset = build_dataset(a_train, tokenizer, SEQ_LEN, val_data=a_val, keep_remainder=True)
+    b_train, b_val = _corpus(root, "b-train", texts[1:]), _corpus(root, "b-val", texts[:1])
+    other = build_dataset(b_train, tokenizer, SEQ_LEN, val_data=b_val, keep_remainder=True)
     torch.manual_seed(0)
     model = LlamaForPretraining(_config())
     random_init = _checkpoint(root / "random-init", model)
@@ -204,7 +140,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def _register(
     world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name: str, max_blocks: int = 256
 ) -> register.RegisteredModel:
-    run_id = tracking.start_run("register-tests", run_name=Path(checkpoint.path).name)
+    run_id = tracking_store.start_run("register-tests", run_name=Path(checkpoint.path).name)
     loss = _val_loss(checkpoint, dataset, max_blocks)
     result = register.register_model(
         run_id=run_id,
@@ -216,7 +152,7 @@ def _register(
         eval_max_blocks=max_blocks,
         eval_device="cpu",
     )
-    tracking.end_run(run_id)
+    tracking_store.end_run(run_id)
     return result
 
 
@@ -242,7 +178,7 @@ def registered(world: World, store: str) -> dict[str, register.RegisteredModel]:
 def test_only_better_models_take_the_alias(
     world: World, registered: dict[str, register.RegisteredModel]
 ) -> None:
-    client = tracking.get_client()
+    client = tracking_store.get_client()
     first, better, worse = registered["first"], registered["better"], registered["worse"]
     assert (first.version, better.version, worse.version) == ("1", "2", "3")
     assert first.promoted and first.champion_val_loss is None
@@ -280,7 +216,7 @@ def test_champion_is_reevaluated_on_other_validation_data(world: World, store: s
     # The trained model's loss on data-b's val (seen in its training data) vs random init on it.
     challenger = _register(world, world.random_init, world.other_dataset, "llamaflow-reeval")
     assert champion.promoted and not challenger.promoted
-    tags = tracking.get_client().get_model_version("llamaflow-reeval", challenger.version).tags
+    tags = tracking_store.get_client().get_model_version("llamaflow-reeval", challenger.version).tags
     expected = _val_loss(world.trained, world.other_dataset)
     assert float(tags[register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(expected, rel=1e-6)
     assert challenger.champion_val_loss == pytest.approx(expected, rel=1e-6)
@@ -289,7 +225,7 @@ def test_champion_is_reevaluated_on_other_validation_data(world: World, store: s
 
     # Same dataset as the champion's but fewer eval blocks: its recorded number is not comparable.
     fewer = _register(world, world.random_init, world.dataset, "llamaflow-reeval", max_blocks=4)
-    tags = tracking.get_client().get_model_version("llamaflow-reeval", fewer.version).tags
+    tags = tracking_store.get_client().get_model_version("llamaflow-reeval", fewer.version).tags
     assert fewer.champion_val_loss == pytest.approx(_val_loss(world.trained, world.dataset, 4), rel=1e-6)
     assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
     assert tags[register.TAG_EVAL_METHOD] == register.eval_method(4, "bf16")
@@ -298,18 +234,16 @@ def test_champion_is_reevaluated_on_other_validation_data(world: World, store: s
 def test_lookup_returns_the_saved_weights_uncompiled(
     world: World, registered: dict[str, register.RegisteredModel]
 ) -> None:
-    from tasks.build import load_plain_model
-
     model, tokenizer = load_model("models:/llamaflow-test@champion")
     assert not hasattr(model, "_orig_mod") and not model.training
-    expected = load_plain_model(world.trained.path).eval()
+    expected = load_pretrained(world.trained.path).eval()
     assert torch.equal(_logits(model), _logits(expected))
     assert (
         tokenizer.encode("def f(x):").ids == Tokenizer.from_file(world.tokenizer.path).encode("def f(x):").ids
     )
 
     first, _ = load_model("models:/llamaflow-test/1")
-    assert torch.equal(_logits(first), _logits(load_plain_model(world.random_init.path).eval()))
+    assert torch.equal(_logits(first), _logits(load_pretrained(world.random_init.path).eval()))
 
     with pytest.raises(ValueError, match="models:/NAME@ALIAS"):
         load_model("runs:/abc/model")
@@ -325,7 +259,7 @@ def test_registered_artifacts_hold_no_pickles(
 ) -> None:
     import mlflow
 
-    tracking.use_tracking_uri()
+    tracking_store.use_tracking_uri()
     local = Path(mlflow.artifacts.download_artifacts("models:/llamaflow-test/2", dst_path=str(tmp_path)))
     files = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
     assert not [
@@ -336,7 +270,7 @@ def test_registered_artifacts_hold_no_pickles(
     assert "code/model/llama.py" in files
     mlmodel = (local / "MLmodel").read_text()
     assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel  # the python_model is code
-    assert "mlflow_pyfunc.py" in files
+    assert "pyfunc.py" in files
     requirements = (local / "requirements.txt").read_text()
     assert "+cpu" not in requirements and "torch>=" in requirements
 
@@ -373,7 +307,7 @@ def test_pyfunc_in_process_takes_dataframes_and_checks_params(
     import mlflow
     import pandas as pd
 
-    tracking.use_tracking_uri()
+    tracking_store.use_tracking_uri()
     model = mlflow.pyfunc.load_model("models:/llamaflow-test@champion")
     greedy = {"max_new_tokens": 4, "temperature": 0.0}
     from_list = model.predict(["def ", "class "], params=greedy)
@@ -400,10 +334,10 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
         "        return list(model_input)\n"
         "mlflow.models.set_model(Echo())\n"
     )
-    tracking.use_tracking_uri()
-    run_id = tracking.start_run("register-tests", run_name="foreign")
-    logged = tracking.get_client().create_logged_model(
-        experiment_id=tracking.ensure_experiment("register-tests"), source_run_id=run_id
+    tracking_store.use_tracking_uri()
+    run_id = tracking_store.start_run("register-tests", run_name="foreign")
+    logged = tracking_store.get_client().create_logged_model(
+        experiment_id=tracking_store.ensure_experiment("register-tests"), source_run_id=run_id
     )
     mlflow.pyfunc.log_model(
         name="echo",
@@ -412,16 +346,16 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
         model_id=logged.model_id,
         registered_model_name="llamaflow-foreign",
     )
-    tracking.get_client().set_registered_model_alias("llamaflow-foreign", "champion", "1")
+    tracking_store.get_client().set_registered_model_alias("llamaflow-foreign", "champion", "1")
     ours = _register(world, world.trained, world.dataset, "llamaflow-foreign")
     assert not ours.promoted and ours.champion_val_loss is None
-    tags = tracking.get_client().get_model_version("llamaflow-foreign", ours.version).tags
+    tags = tracking_store.get_client().get_model_version("llamaflow-foreign", ours.version).tags
     assert tags[register.TAG_COMPARISON].startswith("champion cannot be loaded as a llamaflow model")
     assert tags[register.TAG_CHAMPION_VAL_LOSS] == "none"
 
 
 def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp_path: Path) -> None:
-    run_id = tracking.start_run("register-tests")
+    run_id = tracking_store.start_run("register-tests")
     kwargs = dict(run_id=run_id, tokenizer=world.tokenizer, dataset=world.dataset, model_name="never")
     empty = CheckpointRef(path=str(tmp_path), run_dir=str(tmp_path), step=0, tokens_seen=0)
     with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
@@ -432,7 +366,7 @@ def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp
         register.register_model(
             checkpoint=world.trained, eval_result=EvalResult(val_loss=float("nan"), perplexity=1.0), **kwargs
         )
-    assert "never" not in [m.name for m in tracking.get_client().search_registered_models()]
+    assert "never" not in [m.name for m in tracking_store.get_client().search_registered_models()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -497,16 +431,16 @@ def test_tracking_and_registry_through_a_server(
     world: World, server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
-    assert tracking.check_tracking_store() == server
-    run_id = tracking.start_run("server-tests", run_name="over-http")
-    tracking.log_params(run_id, {"model": _config().to_dict()})
-    tracking.log_dataset_input(run_id, world.dataset)
-    with tracking.MlflowSink(run_id, flush_every_steps=10) as sink:
-        for step in range(25):
-            sink.log_metrics({"train/loss": 6.0 - 0.1 * step, "train/lr": 1e-3}, step)
-    tracking.log_training_curves(
-        run_id, [{"step": s, "train/loss": 6.0 - 0.1 * s, "lr": 1e-3} for s in range(25)]
-    )
+    assert tracking_store.check_tracking_store() == server
+    run_id = tracking_store.start_run("server-tests", run_name="over-http")
+    tracking_store.log_params(run_id, {"model": _config().to_dict()})
+    tracking_store.log_dataset_input(run_id, world.dataset)
+    sink = MlflowSink(run_id, flush_every_steps=10)
+    history = {step: {"train/loss": 6.0 - 0.1 * step, "train/lr": 1e-3} for step in range(25)}
+    for step, metrics in history.items():
+        sink.log_metrics(metrics, step)
+    sink.close()
+    tracking_store.get_client().log_figure(run_id, training_curves_figure(history), "loss_curve.png")
     result = register.register_model(
         run_id=run_id,
         checkpoint=world.trained,
@@ -515,19 +449,17 @@ def test_tracking_and_registry_through_a_server(
         eval_result=EvalResult(val_loss=_val_loss(world.trained, world.dataset), perplexity=1.0),
         model_name="llamaflow-server",
     )
-    tracking.end_run(run_id)
+    tracking_store.end_run(run_id)
 
-    client = tracking.get_client()
+    client = tracking_store.get_client()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["model.hidden_size"] == "64"
     assert len(client.get_metric_history(run_id, "train/loss")) == 25
     assert run.inputs.dataset_inputs[0].dataset.digest == world.dataset.fingerprint[:36]
     assert "loss_curve.png" in [f.path for f in client.list_artifacts(run_id)]
-    assert tracking.run_link(run_id).startswith(f"{server}/#/experiments/")
+    assert tracking_store.run_link(run_id).startswith(f"{server}/#/experiments/")
 
     assert result.promoted and result.version == "1"
     model, _ = load_model("models:/llamaflow-server@champion")
-    from tasks.build import load_plain_model
-
-    assert torch.equal(_logits(model), _logits(load_plain_model(world.trained.path).eval()))
+    assert torch.equal(_logits(model), _logits(load_pretrained(world.trained.path).eval()))

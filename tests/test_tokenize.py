@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tasks import settings
-from tasks.corpus import DataError, resolve_corpus
+import tasks.home
+from tasks.data.corpus import DataError, resolve_corpus
 from tasks.tokenize import check_vocab_fits, import_tokenizer, train_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -55,7 +55,7 @@ def corpus_dir(tmp_path: Path) -> Path:
 def test_trains_bytelevel_bpe_on_the_train_split_only(home: Path, corpus_dir: Path) -> None:
     ref = train_tokenizer(str(corpus_dir), VOCAB, val_fraction=0.2)
     path = Path(ref.path)
-    assert path == settings.cache_dir() / "tokenizers" / ref.fingerprint / "tokenizer.json"
+    assert path == tasks.home.cache_dir() / "tokenizers" / ref.fingerprint / "tokenizer.json"
     assert (ref.bos_id, ref.eos_id, ref.pad_id) == (0, 1, 2)
     assert ref.vocab_size == VOCAB
     tokenizer = Tokenizer.from_file(str(path))

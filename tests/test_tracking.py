@@ -1,4 +1,5 @@
-"""tasks.tracking against a real, temporary SQLite MLflow store (the server case is in test_register)."""
+"""tasks.tracking (store, sink, report) against a real, temporary SQLite MLflow store (the server case is in
+test_register)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks import settings, tracking
+from tasks import home
 from tasks.refs import DatasetRef
+from tasks.tracking import report, store
+from tasks.tracking.sink import MlflowSink, start_system_metrics
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def store_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One SQLite store for the module (creating one costs seconds); each test gets its own run."""
     root = tmp_path_factory.mktemp("tracking-store")
     uri = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
@@ -26,8 +29,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture()
-def run_id(store: str) -> str:
-    return tracking.start_run("tracking-tests", run_name="unit", tags={"purpose": "test"})
+def run_id(store_uri: str) -> str:
+    return store.start_run("tracking-tests", run_name="unit", tags={"purpose": "test"})
 
 
 def _closed_port() -> int:
@@ -36,22 +39,22 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_run_lifecycle_and_experiment_location(store: str, run_id: str) -> None:
-    client = tracking.get_client()
+def test_run_lifecycle_and_experiment_location(store_uri: str, run_id: str) -> None:
+    client = store.get_client()
     run = client.get_run(run_id)
     assert run.info.status == "RUNNING"
     assert run.info.run_name == "unit"
     assert run.data.tags["purpose"] == "test"
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.name == "tracking-tests"
-    assert experiment.artifact_location.startswith(settings.artifact_root())
+    assert experiment.artifact_location.startswith(home.artifact_root())
     # Idempotent: the same name gives the same experiment.
-    assert tracking.ensure_experiment("tracking-tests") == run.info.experiment_id
+    assert store.ensure_experiment("tracking-tests") == run.info.experiment_id
 
-    tracking.end_run(run_id, "failed")
-    assert tracking.run_status(run_id) == "FAILED"
+    store.end_run(run_id, "failed")
+    assert store.run_status(run_id) == "FAILED"
     with pytest.raises(ValueError, match="not one of"):
-        tracking.end_run(run_id, "DONE")
+        store.end_run(run_id, "DONE")
 
 
 def test_log_params_flattens_truncates_and_batches(run_id: str) -> None:
@@ -62,14 +65,14 @@ def test_log_params_flattens_truncates_and_batches(run_id: str) -> None:
         "notes": long_value,
         **{f"p{i:03d}": i for i in range(250)},  # more than one log_batch (100 params) worth
     }
-    logged = tracking.log_params(run_id, params)
-    stored = tracking.get_client().get_run(run_id).data.params
+    logged = store.log_params(run_id, params)
+    stored = store.get_client().get_run(run_id).data.params
     assert stored == logged
     assert stored["model.hidden_size"] == "64"
     assert stored["model.rope_scaling"] == "null"
     assert stored["model.nested.a"] == "[1, 2]"
     assert stored["lr"] == "0.0003"
-    assert len(stored["notes"]) == tracking.MAX_PARAM_VAL_LENGTH
+    assert len(stored["notes"]) == store.MAX_PARAM_VAL_LENGTH
     assert stored["notes"].endswith("[truncated]")
     assert stored["p249"] == "249"
     assert len(stored) == 255
@@ -87,8 +90,8 @@ def test_dataset_input_carries_fingerprint_and_token_counts(run_id: str, tmp_pat
         val_tokens=258,
         stats={"documents": 7},
     )
-    tracking.log_dataset_input(run_id, ref)
-    inputs = tracking.get_client().get_run(run_id).inputs.dataset_inputs
+    store.log_dataset_input(run_id, ref)
+    inputs = store.get_client().get_run(run_id).inputs.dataset_inputs
     assert len(inputs) == 1
     dataset = inputs[0].dataset
     assert dataset.name == "packed-abc"
@@ -101,8 +104,8 @@ def test_dataset_input_carries_fingerprint_and_token_counts(run_id: str, tmp_pat
 
 
 def test_sink_batches_by_step_count_and_keeps_every_point(run_id: str) -> None:
-    client = tracking.get_client()
-    sink = tracking.MlflowSink(run_id, flush_every_steps=50, flush_every_s=3600)
+    client = store.get_client()
+    sink = MlflowSink(run_id, flush_every_steps=50, flush_every_s=3600)
     started = time.perf_counter()
     for step in range(120):
         sink.log_metrics(
@@ -123,18 +126,19 @@ def test_sink_batches_by_step_count_and_keeps_every_point(run_id: str) -> None:
 
 
 def test_sink_flushes_on_time(run_id: str) -> None:
-    client = tracking.get_client()
-    with tracking.MlflowSink(run_id, flush_every_steps=10_000, flush_every_s=0.2) as sink:
-        sink.log_metrics({"val/loss": 4.0}, 0)
-        assert client.get_metric_history(run_id, "val/loss") == []
-        time.sleep(0.3)
-        sink.log_metrics({"val/loss": 3.5}, 1)
-        assert [m.value for m in client.get_metric_history(run_id, "val/loss")] == [4.0, 3.5]
+    client = store.get_client()
+    sink = MlflowSink(run_id, flush_every_steps=10_000, flush_every_s=0.2)
+    sink.log_metrics({"val/loss": 4.0}, 0)
+    assert client.get_metric_history(run_id, "val/loss") == []
+    time.sleep(0.3)
+    sink.log_metrics({"val/loss": 3.5}, 1)
+    assert [m.value for m in client.get_metric_history(run_id, "val/loss")] == [4.0, 3.5]
+    sink.close()
 
 
 def test_sink_keeps_metrics_through_a_failed_flush(run_id: str) -> None:
-    client = tracking.get_client()
-    sink = tracking.MlflowSink(run_id, flush_every_steps=5, flush_every_s=3600)
+    client = store.get_client()
+    sink = MlflowSink(run_id, flush_every_steps=5, flush_every_s=3600)
     for step in range(5):
         sink.log_metrics({"train/loss": float(step)}, step)
     client.delete_run(run_id)  # the store now refuses writes to this run, like an outage would
@@ -153,79 +157,46 @@ def test_sink_keeps_metrics_through_a_failed_flush(run_id: str) -> None:
         sink.close()
 
 
-def test_sink_checks_the_run_and_store_up_front(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sink_checks_the_run_and_store_up_front(store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="does not exist"):
-        tracking.MlflowSink("0" * 32)
+        MlflowSink("0" * 32)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
-    with pytest.raises(tracking.TrackingStoreUnavailable):
-        tracking.MlflowSink("0" * 32)
+    with pytest.raises(store.TrackingStoreUnavailable):
+        MlflowSink("0" * 32)
 
 
-def test_sink_logs_params_and_artifacts(run_id: str, tmp_path: Path) -> None:
-    note = tmp_path / "note.txt"
-    note.write_text("hello")
-    with tracking.MlflowSink(run_id) as sink:
-        sink.log_params({"train": {"steps": 5}})
-        sink.log_artifact(note, "notes")
-        with pytest.raises(FileNotFoundError, match="does not exist"):
-            sink.log_artifact(tmp_path / "missing.txt")
-    client = tracking.get_client()
-    assert client.get_run(run_id).data.params["train.steps"] == "5"
-    assert [f.path for f in client.list_artifacts(run_id, "notes")] == ["notes/note.txt"]
+def test_training_curves_from_the_engine_metrics_with_a_torn_last_line(run_id: str, tmp_path: Path) -> None:
+    from tasks.training.metrics import JsonlMetrics, read_metrics
 
-
-def test_metrics_by_step_merges_and_keeps_the_resumed_repetition() -> None:
-    rows = [
-        {"step": 1, "metrics": {"train/loss": 5.0, "train/lr": 1e-3}},
-        {"step": 2, "metrics": {"train/loss": 4.0, "train/lr": 1e-3}},
-        {"step": 2, "metrics": {"train/loss": 4.5, "train/lr": 1e-3}},  # resumed run repeats step 2
-        {"step": 2, "val/loss": 4.8},
-        {"no_step": True},
-    ]
-    assert tracking.metrics_by_step(rows) == {
-        1: {"train/loss": 5.0, "train/lr": 1e-3},
-        2: {"train/loss": 4.5, "train/lr": 1e-3, "val/loss": 4.8},
-    }
-
-
-def test_training_curves_from_jsonl_with_a_torn_last_line(run_id: str, tmp_path: Path) -> None:
-    path = tmp_path / "metrics.jsonl"
-    # The trainer's format: {"step": N, "metrics": {...}}
-    rows = [
-        {"step": s, "metrics": {"train/loss": 8 - s * 0.1, "train/lr": min(1.0, s / 5) * 1e-3}}
-        for s in range(30)
-    ]
-    rows.append({"step": 29, "val/loss": 5.5})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 30, "metr')
-    figure = tracking.training_curves_figure(tracking.read_metrics_jsonl(path))
+    sink = JsonlMetrics(tmp_path)
+    for s in range(1, 31):
+        sink.log_metrics({"train/loss": 8 - s * 0.1, "train/lr": min(1.0, s / 5) * 1e-3}, s)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 31, "metr')  # a kill mid-line
+    figure = report.training_curves_figure(read_metrics(tmp_path), val_loss=(30, 5.5))
     loss_axis, lr_axis = figure.axes
     assert [len(line.get_xdata()) for line in loss_axis.get_lines()] == [30, 1]
     assert lr_axis.get_lines()[0].get_ydata()[-1] == pytest.approx(1e-3)
-    assert tracking.log_training_curves(run_id, path) == "loss_curve.png"
-    local = tracking.get_client().download_artifacts(run_id, "loss_curve.png", str(tmp_path))
+    store.get_client().log_figure(run_id, figure, "loss_curve.png")
+    local = store.get_client().download_artifacts(run_id, "loss_curve.png", str(tmp_path))
     assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    with pytest.raises(ValueError, match="no loss values"):
-        tracking.log_training_curves(run_id, [{"step": 1, "lr": 0.1}])
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        tracking.log_training_curves(run_id, bad)
+    with pytest.raises(ValueError, match="no train/loss"):
+        report.training_curves_figure({1: {"train/lr": 0.1}})
 
 
 def test_samples_table(run_id: str, tmp_path: Path) -> None:
-    tracking.log_samples(run_id, [("def ", "foo(x):"), ("class ", "Bar:")])
-    local = tracking.get_client().download_artifacts(run_id, "samples.json", str(tmp_path))
+    report.log_samples(run_id, [("def ", "foo(x):"), ("class ", "Bar:")])
+    local = store.get_client().download_artifacts(run_id, "samples.json", str(tmp_path))
     table = json.loads(Path(local).read_text())
     assert table["columns"] == ["prompt", "completion"]
     assert table["data"] == [["def ", "foo(x):"], ["class ", "Bar:"]]
     with pytest.raises(ValueError, match="No samples"):
-        tracking.log_samples(run_id, [])
+        report.log_samples(run_id, [])
 
 
-def test_run_link(store: str, run_id: str) -> None:
-    link = tracking.run_link(run_id)
-    assert link.startswith(f"mlflow ui --backend-store-uri {store}")
+def test_run_link(store_uri: str, run_id: str) -> None:
+    link = store.run_link(run_id)
+    assert link.startswith(f"mlflow ui --backend-store-uri {store_uri}")
     assert run_id in link
 
 
@@ -233,8 +204,8 @@ def test_closed_server_port_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
     uri = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     started = time.perf_counter()
-    with pytest.raises(tracking.TrackingStoreUnavailable) as excinfo:
-        tracking.start_run("never-created")
+    with pytest.raises(store.TrackingStoreUnavailable) as excinfo:
+        store.start_run("never-created")
     assert time.perf_counter() - started < 5
     message = str(excinfo.value)
     assert uri in message
@@ -246,24 +217,24 @@ def test_closed_server_port_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
     [("sqlite:///relative/mlflow.db", "absolute SQLite path"), ("file:./mlruns", "file store")],
 )
 def test_unusable_store_uris_are_rejected(uri: str, needle: str) -> None:
-    with pytest.raises(tracking.TrackingStoreUnavailable, match=needle):
-        tracking.check_tracking_store(uri)
+    with pytest.raises(store.TrackingStoreUnavailable, match=needle):
+        store.check_tracking_store(uri)
 
 
 def test_system_metrics_reach_the_run_in_the_configured_store(
-    store: str, run_id: str, monkeypatch: pytest.MonkeyPatch
+    store_uri: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import mlflow
 
     # A process-wide URI left by earlier code (here: a stopped server) must not capture the sampler.
     mlflow.set_tracking_uri("http://127.0.0.1:9")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
     try:
-        monitor = tracking.start_system_metrics(run_id, sampling_interval_s=0.1)
+        monitor = start_system_metrics(run_id, sampling_interval_s=0.1)
         time.sleep(0.5)
         monitor.finish()
     finally:
         mlflow.set_tracking_uri(None)
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    metrics = tracking.get_client().get_run(run_id).data.metrics
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    metrics = store.get_client().get_run(run_id).data.metrics
     assert any(key.startswith("system/") for key in metrics)

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from model import get_preset
+from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.home import PROJECT_ROOT
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.settings import PROJECT_ROOT
-from tasks.training import TrainSettings, read_metrics, train
+from tasks.training import TrainSettings, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
-from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
-from tasks.training.launch import write_worker_spec
+from tasks.training.launch import WorkerSpec, write_worker_spec
 
 VOCAB = 96
 SEQ = 16
@@ -40,13 +40,11 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRef, DatasetRef
     dataset = write_packed_dataset(
         tmp_path_factory.mktemp("packed"), blocks, pattern_blocks(4, SEQ, VOCAB, 2), vocab_size=VOCAB
     )
-    model = write_model_ref(
-        tmp_path_factory.mktemp("model"), get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
-    )
+    model = model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
     return model, dataset
 
 
-def run_settings(checkpoint_dir: Path, **overrides: object) -> TrainSettings:
+def run_settings(**overrides: object) -> TrainSettings:
     # Global batch 6 over 29 blocks: steps of 6, 6, 6, 6, 5 blocks; the last one has 2 micro-batches,
     # the second topped up with an empty row, so the compiled shapes never change.
     base: dict[str, object] = dict(
@@ -57,7 +55,6 @@ def run_settings(checkpoint_dir: Path, **overrides: object) -> TrainSettings:
         warmup_steps=2,
         compile=True,
         dtype="bf16",
-        checkpoint_dir=str(checkpoint_dir),
         checkpoint_every=2,
         keep_checkpoints=2,
     )
@@ -70,7 +67,7 @@ def compiled_run(
     refs: tuple[ModelRef, DatasetRef], tmp_path_factory: pytest.TempPathFactory
 ) -> CheckpointRef:
     model, dataset = refs
-    return train(model, dataset, run_settings(tmp_path_factory.mktemp("compiled") / "run"), progress=False)
+    return fit(model, dataset, run_settings(), tmp_path_factory.mktemp("compiled") / "run", progress=False)
 
 
 def losses(run_dir: str | Path) -> dict[int, float]:
@@ -81,7 +78,7 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
     refs: tuple[ModelRef, DatasetRef], compiled_run: CheckpointRef, tmp_path: Path
 ) -> None:
     model, dataset = refs
-    eager = train(model, dataset, run_settings(tmp_path / "eager", compile=False), progress=False)
+    eager = fit(model, dataset, run_settings(compile=False), tmp_path / "eager", progress=False)
     compiled_losses, eager_losses = losses(compiled_run.run_dir), losses(eager.run_dir)
     assert sorted(compiled_losses) == list(range(1, 11))
     np.testing.assert_allclose(
@@ -103,9 +100,13 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
 
 
 def run_worker(
-    settings: TrainSettings, refs: tuple[ModelRef, DatasetRef], fault: str = ""
+    settings: TrainSettings, run_dir: Path, refs: tuple[ModelRef, DatasetRef], fault: str = ""
 ) -> subprocess.Popen:
-    spec = write_worker_spec(refs[0], refs[1], settings)
+    spec = write_worker_spec(
+        WorkerSpec(
+            model_ref=refs[0], dataset_ref=refs[1], settings=settings, run_dir=str(run_dir), progress=False
+        )
+    )
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     env[ENV_VAR] = fault
     return subprocess.Popen(
@@ -126,24 +127,23 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
 def test_kill_9_at_any_moment_then_resume_reproduces_every_loss_bit_for_bit(
     refs: tuple[ModelRef, DatasetRef], compiled_run: CheckpointRef, tmp_path: Path
 ) -> None:
-    settings = run_settings(tmp_path / "killed")
-    run_dir = Path(settings.checkpoint_dir)
+    settings, run_dir = run_settings(), tmp_path / "killed"
 
-    code, output = finish(run_worker(settings, refs, "kill_at_step=5"))
+    code, output = finish(run_worker(settings, run_dir, refs, "kill_at_step=5"))
     assert code == -signal.SIGKILL, output
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [2, 4]
     assert max(read_metrics(run_dir)) == 5  # step 5 ran but was never checkpointed
 
-    code, output = finish(run_worker(settings, refs, "kill_in_checkpoint=8"))
+    code, output = finish(run_worker(settings, run_dir, refs, "kill_in_checkpoint=8"))
     assert code == -signal.SIGKILL, output
     assert "resuming from checkpoint" in output and "step_000004 at step 4/10" in output
-    assert list(run_dir.glob(".tmp-step_000008-*")), "the kill should have left a half-written checkpoint"
+    assert list(run_dir.glob(".step_000008.tmp-*")), "the kill should have left a half-written checkpoint"
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [4, 6]
 
-    code, output = finish(run_worker(settings, refs))
+    code, output = finish(run_worker(settings, run_dir, refs))
     assert code == 0, output
     assert "step_000006 at step 6/10" in output
-    assert not list(run_dir.glob(".tmp-*"))
+    assert not list(run_dir.glob(".*.tmp-*"))
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [8, 10]
     assert all(checkpoint_problem(path) is None for _, path in checkpoint_dirs(run_dir))
 
@@ -153,18 +153,18 @@ def test_kill_9_at_any_moment_then_resume_reproduces_every_loss_bit_for_bit(
 
 
 def test_sigterm_stops_after_a_checkpoint(refs: tuple[ModelRef, DatasetRef], tmp_path: Path) -> None:
-    settings = run_settings(tmp_path / "term", epochs=400.0, checkpoint_every=1000, compile=False)
-    process = run_worker(settings, refs)
-    metrics_file = Path(settings.checkpoint_dir) / "metrics.jsonl"
+    settings, run_dir = run_settings(epochs=400.0, checkpoint_every=1000, compile=False), tmp_path / "term"
+    process = run_worker(settings, run_dir, refs)
+    metrics_file = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not (metrics_file.exists() and metrics_file.stat().st_size) and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     code, output = finish(process, timeout=60)
     assert code != 0 and "TrainingInterrupted" in output and "SIGTERM" in output, output
-    [(step, path)] = checkpoint_dirs(Path(settings.checkpoint_dir))
+    [(step, path)] = checkpoint_dirs(run_dir)
     assert 1 <= step < 2000 and checkpoint_problem(path) is None
-    assert max(read_metrics(settings.checkpoint_dir)) == step
+    assert max(read_metrics(run_dir)) == step
 
 
 def test_compile_watch_counts_a_recompile() -> None:

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from model import get_preset
-from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, read_metrics, train
+from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
-from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
 
 VOCAB = 96
 SEQ = 16
@@ -40,9 +40,7 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(tmp_path: 
     dataset = write_packed_dataset(
         tmp_path / "packed", blocks, pattern_blocks(4, SEQ, VOCAB, 5), vocab_size=VOCAB
     )
-    model = write_model_ref(
-        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
-    )
+    model = model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
 
     def run(name: str, nproc: int, acc: int) -> tuple:
         # 29 blocks, global batch 8: steps of 8, 8, 8, 5 blocks. With 2 ranks the last step gives rank 0 four
@@ -57,10 +55,9 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(tmp_path: 
             compile=False,
             dtype="fp32",
             device="cpu",
-            checkpoint_dir=str(tmp_path / name),
         )
         sink = Recorder()
-        return train(model, dataset, settings, sink, progress=False), sink
+        return fit(model, dataset, settings, tmp_path / name, sink, progress=False), sink
 
     ddp, ddp_sink = run("ddp", nproc=2, acc=2)
     single, single_sink = run("single", nproc=1, acc=4)
@@ -95,20 +92,16 @@ def test_bad_input_fails_before_launch_and_a_failing_rank_raises_training_error(
         pattern_blocks(2, SEQ, VOCAB, 1),
         vocab_size=VOCAB,
     )
-    model = write_model_ref(
-        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
-    )
-    settings = TrainSettings(
-        micro_batch_size=2, nproc_per_node=2, compile=False, checkpoint_dir=str(tmp_path / "r")
-    )
+    model = model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
+    settings = TrainSettings(micro_batch_size=2, nproc_per_node=2, compile=False)
     missing = dataset.model_copy(update={"path": str(tmp_path / "missing")})
     with pytest.raises(FileNotFoundError, match="meta.json is missing"):
-        train(model, missing, settings, progress=False)
+        fit(model, missing, settings, tmp_path / "r", progress=False)
     assert not (tmp_path / "r").exists()  # refused before torchrun started
 
     monkeypatch.setenv(ENV_VAR, "nan_at_step=1")  # inherited by both ranks
     with pytest.raises(TrainingError, match="torchrun with 2 workers failed"):
-        train(model, dataset, settings, progress=False)
+        fit(model, dataset, settings, tmp_path / "r", progress=False)
     assert checkpoint_dirs(tmp_path / "r") == []
 
 
@@ -119,21 +112,25 @@ def test_a_stop_request_reaches_every_rank_through_torchrun_and_leaves_a_checkpo
         pattern_blocks(2, SEQ, VOCAB, 1),
         vocab_size=VOCAB,
     )
-    model = write_model_ref(
-        tmp_path / "model", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
-    )
+    model = model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
     settings = TrainSettings(
         micro_batch_size=2,
         nproc_per_node=2,
-        epochs=None,
         max_steps=100_000,
         compile=False,
         dtype="fp32",
         device="cpu",
-        checkpoint_dir=str(tmp_path / "r"),
     )
     sink = Recorder()
     with pytest.raises(TrainingInterrupted, match="stop request"):
-        train(model, dataset, settings, sink, progress=False, should_stop=lambda: bool(sink.steps))
+        fit(
+            model,
+            dataset,
+            settings,
+            tmp_path / "r",
+            sink,
+            progress=False,
+            should_stop=lambda: bool(sink.steps),
+        )
     [(step, path)] = checkpoint_dirs(tmp_path / "r")
     assert 1 <= step < 100_000 and checkpoint_problem(path) is None

@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from model import LlamaConfig, LlamaForPretraining, get_preset, load_weights
+from synthetic import model_ref as build_model_ref
+from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainingError, TrainSettings, lr_at, read_metrics, train
+from tasks.training import TrainingError, TrainSettings, fit, lr_at, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
-from tasks.training.fixtures import pattern_blocks, write_model_ref, write_packed_dataset
 from tasks.training.loader import IGNORE_INDEX, BlockLoader
 from tasks.training.optim import count_targets, token_loss_sum
 
@@ -48,11 +49,11 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 
 
 @pytest.fixture(scope="module")
-def model_ref(tmp_path_factory: pytest.TempPathFactory) -> ModelRef:
-    return write_model_ref(tmp_path_factory.mktemp("model"), tiny_config(), seed=0)
+def model_ref() -> ModelRef:
+    return build_model_ref(tiny_config(), seed=0)
 
 
-def settings(tmp_path: Path, name: str = "run", **overrides: object) -> TrainSettings:
+def settings(**overrides: object) -> TrainSettings:
     base: dict[str, object] = dict(
         micro_batch_size=2,
         accumulate_steps=4,
@@ -61,7 +62,6 @@ def settings(tmp_path: Path, name: str = "run", **overrides: object) -> TrainSet
         warmup_steps=2,
         compile=False,
         dtype="fp32",
-        checkpoint_dir=str(tmp_path / name),
     )
     base.update(overrides)
     return TrainSettings(**base)  # type: ignore[arg-type]
@@ -187,14 +187,15 @@ def test_training_with_accumulation_matches_one_big_micro_batch(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
 ) -> None:
     # 2 epochs of 29 blocks with a global batch of 8: steps of 8, 8, 8 and 5 blocks, uneven padding.
-    split = train(
+    split = fit(
         model_ref,
         dataset,
-        settings(tmp_path, "k_by_b", micro_batch_size=2, accumulate_steps=4),
+        settings(micro_batch_size=2, accumulate_steps=4),
+        tmp_path / "k_by_b",
         progress=False,
     )
-    whole = train(
-        model_ref, dataset, settings(tmp_path, "kb", micro_batch_size=8, accumulate_steps=1), progress=False
+    whole = fit(
+        model_ref, dataset, settings(micro_batch_size=8, accumulate_steps=1), tmp_path / "kb", progress=False
     )
     assert split.step == whole.step == 8
     assert split.tokens_seen == whole.tokens_seen == 2 * dataset.train_tokens
@@ -218,8 +219,8 @@ def closed_form_cosine(step: int, lr: float, warmup: int, total: int, min_ratio:
 def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, mb: int, acc: int, expected_steps: int
 ) -> None:
-    run = settings(tmp_path, micro_batch_size=mb, accumulate_steps=acc, warmup_steps=2, min_lr_ratio=0.1)
-    ref = train(model_ref, dataset, run, progress=False)
+    run = settings(micro_batch_size=mb, accumulate_steps=acc, warmup_steps=2, min_lr_ratio=0.1)
+    ref = fit(model_ref, dataset, run, tmp_path / "run", progress=False)
     logged = read_metrics(ref.run_dir)
     assert sorted(logged) == list(
         range(1, expected_steps + 1)
@@ -248,24 +249,24 @@ def test_nan_stops_with_the_step_named_and_keeps_the_last_good_checkpoint(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_VAR, "nan_at_step=3")
-    run = settings(tmp_path, checkpoint_every=2)
+    run, run_dir = settings(checkpoint_every=2), tmp_path / "run"
     with pytest.raises(TrainingError, match=r"at step 3\b.*last good checkpoint: .*step_000002"):
-        train(model_ref, dataset, run, progress=False)
-    kept = checkpoint_dirs(Path(run.checkpoint_dir))
+        fit(model_ref, dataset, run, run_dir, progress=False)
+    kept = checkpoint_dirs(run_dir)
     assert [step for step, _ in kept] == [2]
     assert checkpoint_problem(kept[0][1]) is None
-    assert sorted(read_metrics(run.checkpoint_dir)) == [1, 2]  # nothing logged for the failed step
+    assert sorted(read_metrics(run_dir)) == [1, 2]  # nothing logged for the failed step
 
 
 def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
 ) -> None:
-    run = settings(tmp_path, checkpoint_every=2, keep_checkpoints=3)
-    first = train(model_ref, dataset, run, progress=False)
-    losses = {s: m["train/loss"] for s, m in read_metrics(run.checkpoint_dir).items()}
-    assert [s for s, _ in checkpoint_dirs(Path(run.checkpoint_dir))] == [4, 6, 8]
+    run, run_dir = settings(checkpoint_every=2, keep_checkpoints=3), tmp_path / "run"
+    first = fit(model_ref, dataset, run, run_dir, progress=False)
+    losses = {s: m["train/loss"] for s, m in read_metrics(run_dir).items()}
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [4, 6, 8]
 
-    finished = train(model_ref, dataset, run, progress=False)  # already done: returns without training
+    finished = fit(model_ref, dataset, run, run_dir, progress=False)  # already done: returns without training
     assert finished == first
 
     weights = Path(first.path) / "model.safetensors"
@@ -273,9 +274,9 @@ def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
     with pytest.warns(
         RuntimeWarning, match=r"skipping checkpoint .*step_000008: model.safetensors does not match"
     ):
-        resumed = train(model_ref, dataset, run, progress=False)
+        resumed = fit(model_ref, dataset, run, run_dir, progress=False)
     assert resumed.step == 8
-    again = {s: m["train/loss"] for s, m in read_metrics(run.checkpoint_dir).items()}
+    again = {s: m["train/loss"] for s, m in read_metrics(run_dir).items()}
     assert again == losses  # steps 7 and 8 retrained from step 6: bit-identical losses
     assert_state_close(final_weights(resumed.path), final_weights(first.path), rtol=0, atol=0)
 
@@ -283,32 +284,26 @@ def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
 def test_resume_with_settings_that_change_the_data_order_is_refused(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
 ) -> None:
-    train(model_ref, dataset, settings(tmp_path, max_steps=2), progress=False)
+    fit(model_ref, dataset, settings(max_steps=2), tmp_path / "run", progress=False)
     with pytest.raises(TrainingError, match="micro_batch_size"):
-        train(
-            model_ref,
-            dataset,
-            settings(tmp_path, max_steps=2, micro_batch_size=4, accumulate_steps=2),
-            progress=False,
-        )
+        changed = settings(max_steps=2, micro_batch_size=4, accumulate_steps=2)
+        fit(model_ref, dataset, changed, tmp_path / "run", progress=False)
 
 
 def test_bad_inputs_fail_before_training(tmp_path: Path, dataset: DatasetRef) -> None:
-    small_vocab = write_model_ref(
-        tmp_path / "m", get_preset("tiny", vocab_size=32, max_position_embeddings=SEQ)
-    )
+    small_vocab = build_model_ref(get_preset("tiny", vocab_size=32, max_position_embeddings=SEQ))
     with pytest.raises(TrainingError, match="vocab_size 96 exceeds the model's vocab_size 32"):
-        train(small_vocab, dataset, settings(tmp_path), progress=False)
-    short = write_model_ref(tmp_path / "m2", get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=8))
+        fit(small_vocab, dataset, settings(), tmp_path / "run", progress=False)
+    short = build_model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=8))
     with pytest.raises(TrainingError, match="max_position_embeddings"):
-        train(short, dataset, settings(tmp_path), progress=False)
+        fit(short, dataset, settings(), tmp_path / "run", progress=False)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        TrainSettings(micro_batch_size=0, checkpoint_dir=str(tmp_path))
+        TrainSettings(micro_batch_size=0)
     assert not (tmp_path / "run").exists()
 
 
 def test_weights_load_into_a_fresh_model(tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef) -> None:
-    ref = train(model_ref, dataset, settings(tmp_path, max_steps=3), progress=False)
+    ref = fit(model_ref, dataset, settings(max_steps=3), tmp_path / "run", progress=False)
     model = LlamaForPretraining(tiny_config())
     load_weights(model, Path(ref.path) / "model.safetensors")
     assert ref.step == 3 and ref.metrics["train_loss"] > 0
@@ -321,24 +316,25 @@ def test_time_limit_and_stop_request_end_after_a_checkpoint_and_the_run_resumes(
 ) -> None:
     from tasks.training import TrainingInterrupted
 
-    run = settings(tmp_path, max_time_s=1e-6, log_every=3)
-    stopped = train(model_ref, dataset, run, progress=False)
+    run, run_dir = settings(max_time_s=1e-6, log_every=3), tmp_path / "run"
+    stopped = fit(model_ref, dataset, run, run_dir, progress=False)
     assert stopped.step == 1 and stopped.metrics["stopped_early"] == 1.0
-    assert [s for s, _ in checkpoint_dirs(Path(run.checkpoint_dir))] == [1]
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [1]
 
     calls = []
     with pytest.raises(TrainingInterrupted, match=r"after step 3; checkpoint .*step_000003"):
-        train(
+        fit(
             model_ref,
             dataset,
             run.model_copy(update={"max_time_s": None}),
+            run_dir,
             progress=False,
             should_stop=lambda: calls.append(1) or len(calls) >= 2,
         )
-    done = train(model_ref, dataset, run.model_copy(update={"max_time_s": None}), progress=False)
+    done = fit(model_ref, dataset, run.model_copy(update={"max_time_s": None}), run_dir, progress=False)
     assert done.step == 8 and done.metrics["stopped_early"] == 0.0
     # log_every=3 logs the first step of each process, every third step and the last.
-    assert sorted(read_metrics(run.checkpoint_dir)) == [1, 2, 3, 4, 6, 8]
+    assert sorted(read_metrics(run_dir)) == [1, 2, 3, 4, 6, 8]
 
 
 def test_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path: Path) -> None:
@@ -349,28 +345,25 @@ def test_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path: P
     assert read_metrics(tmp_path) == {1: {"train/loss": 1.5}, 2: {"train/loss": 1.25}}
 
 
-def test_run_length_from_epochs_and_max_steps(tmp_path: Path) -> None:
+def test_run_length_from_epochs_and_max_steps() -> None:
     from tasks.training import total_optimizer_steps
 
     assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0) == 4  # 8 + 8 + 8 + 5 blocks
     assert total_optimizer_steps(29, 2, 4, 1, epochs=1.5) == 6
-    assert total_optimizer_steps(29, 2, 4, 1, epochs=2.0, max_steps=5) == 5  # the shorter of the two
-    assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0, max_steps=50) == 4
-    assert total_optimizer_steps(29, 2, 4, 1, epochs=None, max_steps=50) == 50  # max_steps alone
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=2.0, max_steps=5) == 5  # max_steps alone, when set
+    assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0, max_steps=50) == 50
     assert total_optimizer_steps(29, 1, 4, 2, epochs=1.0) == 4  # 2 ranks x 4 x 1 = the same global batch
-    with pytest.raises(ValueError, match="epochs, max_steps or both"):
-        TrainSettings(micro_batch_size=1, epochs=None, checkpoint_dir=str(tmp_path))
 
 
 def test_injected_crash_happens_once_and_the_retry_resumes(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_VAR, "crash_at_step=3")
-    run = settings(tmp_path, checkpoint_every=2)
+    run, run_dir = settings(checkpoint_every=2), tmp_path / "run"
     with pytest.raises(RuntimeError, match="injected crash before step 3"):
-        train(model_ref, dataset, run, progress=False)
-    retried = train(model_ref, dataset, run, progress=False)  # what a Prefect retry does
+        fit(model_ref, dataset, run, run_dir, progress=False)
+    retried = fit(model_ref, dataset, run, run_dir, progress=False)  # what a Prefect retry does
     assert retried.step == 8 and retried.metrics["steps_this_run"] == 6
     monkeypatch.setenv(ENV_VAR, "explode_at_step=1")
     with pytest.raises(ValueError, match="expected comma-separated NAME=STEP"):
-        train(model_ref, dataset, settings(tmp_path, "other"), progress=False)
+        fit(model_ref, dataset, settings(), tmp_path / "other", progress=False)

@@ -1,16 +1,20 @@
 """The training engine: plain PyTorch (no Prefect, no MLflow), runnable in-process or by torchrun workers.
 
-    ref = train(model_ref, dataset_ref, TrainSettings(micro_batch_size=8, checkpoint_dir=...), sink)
+    ref = fit(model_ref, dataset_ref, TrainSettings(micro_batch_size=8, max_steps=100), run_dir, sink)
 
-A run directory (`checkpoint_dir`) holds `step_000123/` checkpoints (model.safetensors, optimizer.pt,
-trainer_state.pt, config.json, train_settings.json, manifest.json with sha256 of each), `metrics.jsonl`
-(one line per logged step; the last line of a step wins), and for torchrun jobs `worker_spec.json` /
-`worker_result.json`. Calling `train` again with the same directory resumes from the newest valid
+A run directory holds `step_000123/` checkpoints (model.safetensors, optimizer.pt, trainer_state.pt,
+config.json, train_settings.json, manifest.json with sha256 of each), `metrics.jsonl` (one line per
+logged step; the last line of a step wins), and for torchrun jobs `torchrun_spec.json` /
+`torchrun_result.json`. Calling `fit` again with the same directory resumes from the newest valid
 checkpoint, or returns at once when that checkpoint finished the run.
+
+One concern per module: `launch` (in-process or torchrun), `worker` (one torchrun rank), `engine` (one
+process's loop), `loader` (batches), `optim` (optimizer, loss), `schedule` (LR and run length),
+`checkpoint`, `metrics`, `distributed`, `precision`, `faults` (fault injection for tests).
 """
 
 from tasks.training.engine import TrainingError, TrainingInterrupted
-from tasks.training.launch import train
+from tasks.training.launch import fit
 from tasks.training.metrics import MetricSink, read_metrics
 from tasks.training.schedule import lr_at, total_optimizer_steps
 from tasks.training.settings import TrainSettings
@@ -20,8 +24,8 @@ __all__ = [
     "TrainSettings",
     "TrainingError",
     "TrainingInterrupted",
+    "fit",
     "lr_at",
     "read_metrics",
     "total_optimizer_steps",
-    "train",
 ]

@@ -1,15 +1,14 @@
 """Atomic, checksummed checkpoints `step_000123/` and finding the newest good one to resume from.
 
-A checkpoint is written into `.tmp-step_000123-<pid>/`, every file fsynced, `manifest.json` (sha256 of every
-other file) written last, then the directory is renamed into place. A directory without a valid manifest
-is never resumed from, so a `kill -9` at any moment leaves either the old or the new checkpoint usable.
+A checkpoint is written into a private `.step_000123.tmp-*` directory, `manifest.json` (sha256 of every
+other file) written last, every file fsynced, then the directory is renamed into place (`model.atomic`).
+A directory without a valid manifest is never resumed from, so a `kill -9` at any moment leaves either the old or the new checkpoint usable.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from model import save_weights, unwrap
+from model.atomic import atomic_dir, remove_stale
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -52,19 +52,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -115,28 +102,19 @@ def write_checkpoint(
 ) -> Path:
     """Write `run_dir/step_{step:06d}` atomically, then keep only the newest `keep` checkpoints."""
     final = run_dir / checkpoint_name(step)
-    tmp = run_dir / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_weights(unwrap(model), tmp / MODEL_FILE)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    if midway is not None:
-        midway()
-    torch.save(trainer_state, tmp / STATE_FILE)
-    (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
-    (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
-    checksums = {}
-    for name in REQUIRED_FILES:
-        _fsync_file(tmp / name)
-        checksums[name] = sha256_file(tmp / name)
-    (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
-    _fsync_file(tmp / MANIFEST_FILE)
-    _fsync_dir(tmp)
-    if final.exists():  # same step written again (e.g. a stop request right after a periodic save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(run_dir)
+    # The same step written again (a stop request right after a periodic save) replaces the first one.
+    with atomic_dir(final, replace=True, durable=True) as staged:
+        tmp = staged.path
+        save_weights(unwrap(model), tmp / MODEL_FILE)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if midway is not None:
+            midway()
+        torch.save(trainer_state, tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
+        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+        checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
+        # Written last: a directory without a manifest that matches is never resumed from.
+        (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
     for _, old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -174,10 +152,9 @@ def newest_valid_checkpoint(run_dir: Path) -> Path | None:
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
-    """Delete `.tmp-step_*` directories left behind by a killed writer."""
+    """Delete the staging directories of checkpoints whose writer was killed (one writer per run dir)."""
     if run_dir.is_dir():
-        for path in run_dir.glob(".tmp-step_*"):
-            shutil.rmtree(path, ignore_errors=True)
+        remove_stale(run_dir, "step_*")
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

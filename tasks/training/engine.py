@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +26,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from model import LlamaConfig, LlamaForPretraining, flops_per_token, load_weights
+from model import LlamaConfig, flops_per_token, load_pretrained
+from tasks.data.packed import open_blocks, read_meta
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import checkpoint as ckpt
 from tasks.training.distributed import DistContext, resolve_device
 from tasks.training.faults import FaultInjector
-from tasks.training.loader import BlockLoader, open_blocks, read_meta
+from tasks.training.loader import BlockLoader
 from tasks.training.metrics import JsonlMetrics, MetricSink, device_peak_flops, peak_memory_mb
 from tasks.training.optim import LossHead, build_optimizer, count_targets
+from tasks.training.precision import autocast
 from tasks.training.schedule import lr_at, total_optimizer_steps
 from tasks.training.settings import TrainSettings
 
@@ -118,7 +120,7 @@ def _configure_backends(device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
-        # Compiled CPU runs drift apart without it (STACK.md); exact resume depends on it.
+        # Two identical compiled CPU runs drifted apart (around step 14) without it; exact resume depends on it.
         torch.use_deterministic_algorithms(True)
 
 
@@ -167,10 +169,11 @@ def _find_resume(run_dir: Path, dist: DistContext) -> Path | None:
     return None if found is None else Path(found)  # type: ignore[arg-type]
 
 
-def run_training(
+def run_process(
     model_ref: ModelRef,
     dataset_ref: DatasetRef,
     settings: TrainSettings,
+    run_dir: str | Path,
     sink: MetricSink | None = None,
     *,
     progress: bool = True,
@@ -183,7 +186,7 @@ def run_training(
     device = resolve_device(settings.device, dist.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the first NCCL collective (the resume broadcast)
-    run_dir = Path(settings.checkpoint_dir).resolve()
+    run_dir = Path(run_dir).resolve()
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -213,9 +216,7 @@ def run_training(
 
     _configure_backends(device)
     _seed_everything(settings.seed)
-    plain = LlamaForPretraining(config)
-    load_weights(plain, (resume or Path(model_ref.path)) / "model.safetensors")
-    plain.to(device)
+    plain = load_pretrained(config, resume or Path(model_ref.path), device=device)
     plain.train()
     optimizer = build_optimizer(
         plain,
@@ -306,11 +307,6 @@ class _Loop:
         self.last_loss = float("nan")
         self.last_metrics: dict[str, float] = {}
         self.compile_watch = _CompileWatch()
-
-    def _autocast(self) -> AbstractContextManager:
-        if self.settings.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
 
     def run(self) -> CheckpointRef:
         started = time.perf_counter()
@@ -404,7 +400,7 @@ class _Loop:
                 nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
             )
             with sync:
-                with self._autocast():
+                with autocast(self.device, self.settings.dtype):
                     loss = self.model(inputs, targets)
                 if self.faults.loss_is_nan(step_number):
                     loss = loss * float("nan")

@@ -1,8 +1,8 @@
-"""`train`: in this process for one device, or a `torchrun` job for `nproc_per_node > 1`."""
+"""`fit`, the engine's entry: trains in this process for one device, or as a `torchrun` job for
+`nproc_per_node > 1` (each rank runs `tasks.training.worker`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,20 +11,36 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
+from model.atomic import write_text_atomic
+from tasks.home import PROJECT_ROOT
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.settings import PROJECT_ROOT
-from tasks.training.engine import TrainingError, TrainingInterrupted, run_training, validate_inputs
+from tasks.training.engine import TrainingError, TrainingInterrupted, run_process, validate_inputs
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.settings import TrainSettings
 
-SPEC_FILE = "worker_spec.json"
-RESULT_FILE = "worker_result.json"
+SPEC_FILE = "torchrun_spec.json"
+RESULT_FILE = "torchrun_result.json"
 
 
-def train(
+class WorkerSpec(BaseModel):
+    """What every torchrun rank is given (as `torchrun_spec.json` in the run directory)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_ref: ModelRef
+    dataset_ref: DatasetRef
+    settings: TrainSettings
+    run_dir: str
+    progress: bool
+
+
+def fit(
     model_ref: ModelRef,
     dataset_ref: DatasetRef,
     settings: TrainSettings,
+    run_dir: str | Path,
     sink: MetricSink | None = None,
     *,
     progress: bool = True,
@@ -32,32 +48,40 @@ def train(
 ) -> CheckpointRef:
     """Train from `model_ref`'s initial weights on `dataset_ref`'s train split; return the final checkpoint.
 
-    Resumes from the newest valid checkpoint in `settings.checkpoint_dir`; returns at once when that
-    checkpoint already finished the run. Metrics of each logged optimizer step go to `sink` and to
-    `<checkpoint_dir>/metrics.jsonl`. Raises TrainingError (non-finite loss, bad input, failed workers) and
-    TrainingInterrupted (SIGINT/SIGTERM or `should_stop()` returned True, after a checkpoint).
+    Resumes from the newest valid checkpoint in `run_dir`; returns at once when that checkpoint already
+    finished the run. Metrics of each logged optimizer step go to `sink` and to `<run_dir>/metrics.jsonl`.
+    Raises TrainingError (non-finite loss, bad input, failed workers) and TrainingInterrupted (SIGINT/SIGTERM or `should_stop()` returned True, after a checkpoint).
     """
     if settings.nproc_per_node == 1:
-        return run_training(
-            model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop
+        return run_process(
+            model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
         )
-    return _train_with_torchrun(
-        model_ref, dataset_ref, settings, sink, progress=progress, should_stop=should_stop
+    return _fit_with_torchrun(
+        model_ref, dataset_ref, settings, Path(run_dir), sink, progress=progress, should_stop=should_stop
     )
 
 
-def _train_with_torchrun(
+def _fit_with_torchrun(
     model_ref: ModelRef,
     dataset_ref: DatasetRef,
     settings: TrainSettings,
+    run_dir: Path,
     sink: MetricSink | None,
     *,
     progress: bool,
     should_stop: Callable[[], bool] | None,
 ) -> CheckpointRef:
     validate_inputs(model_ref, dataset_ref, settings)  # fail here, not in N workers after their start-up
-    run_dir = Path(settings.checkpoint_dir).resolve()
-    spec_path = write_worker_spec(model_ref, dataset_ref, settings, progress=progress)
+    run_dir = run_dir.resolve()
+    spec_path = write_worker_spec(
+        WorkerSpec(
+            model_ref=model_ref,
+            dataset_ref=dataset_ref,
+            settings=settings,
+            run_dir=str(run_dir),
+            progress=progress,
+        )
+    )
     result_path = run_dir / RESULT_FILE
     result_path.unlink(missing_ok=True)
     metrics_path = run_dir / METRICS_FILE
@@ -116,23 +140,12 @@ def _stop(process: subprocess.Popen, grace_s: float = 120.0) -> None:
         process.wait()
 
 
-def write_worker_spec(
-    model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings, *, progress: bool = False
-) -> Path:
-    """Write `<checkpoint_dir>/worker_spec.json` for `python -m tasks.training.worker`; its result lands in
-    `<checkpoint_dir>/worker_result.json`."""
-    run_dir = Path(settings.checkpoint_dir).resolve()
+def write_worker_spec(spec: WorkerSpec) -> Path:
+    """Write `<run_dir>/torchrun_spec.json` for `python -m tasks.training.worker`; the main rank writes its
+    result to `<run_dir>/torchrun_result.json`."""
+    run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "model_ref": model_ref.model_dump(mode="json"),
-        "dataset_ref": dataset_ref.model_dump(mode="json"),
-        "settings": settings.model_dump(mode="json"),
-        "progress": progress,
-        "result_path": str(run_dir / RESULT_FILE),
-    }
-    spec_path = run_dir / SPEC_FILE
-    spec_path.write_text(json.dumps(spec, indent=2))
-    return spec_path
+    return write_text_atomic(run_dir / SPEC_FILE, spec.model_dump_json(indent=2))
 
 
 def _forward(metrics_path: Path, offset: int, sink: MetricSink | None) -> int:

@@ -8,42 +8,13 @@ position (epoch, index) is the whole loader state.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100
 _EMPTY = -1  # slot of a micro-batch that no block fills (the last step of an epoch)
-
-
-def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
-    path = Path(dataset_dir) / "meta.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing: point the DatasetRef at a directory built by build_dataset"
-        )
-    return json.loads(path.read_text())
-
-
-def open_blocks(dataset_dir: str | Path, split: str = "train") -> np.ndarray:
-    """Memory-map `<split>.npy` (no copy, no pickle) and check it against `meta.json`."""
-    meta = read_meta(dataset_dir)
-    path = Path(dataset_dir) / f"{split}.npy"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: rebuild the dataset")
-    blocks = np.load(path, mmap_mode="r", allow_pickle=False)
-    if blocks.ndim != 2 or blocks.shape[1] != meta["seq_len"] + 1:
-        raise ValueError(
-            f"{path} has shape {blocks.shape}, expected (n_blocks, seq_len + 1 = {meta['seq_len'] + 1}); "
-            "the file and meta.json disagree, rebuild the dataset"
-        )
-    if blocks.dtype not in (np.uint16, np.uint32):
-        raise ValueError(f"{path} has dtype {blocks.dtype}, expected uint16 or uint32")
-    return blocks
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from tasks.settings import cache_dir
+from model.atomic import write_text_atomic
+from tasks.home import cache_dir
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -129,10 +130,7 @@ def _measured_peak(device: torch.device, dtype: torch.dtype) -> float:
         return known[key]
     peak = _time_matmul(device, dtype)
     known[key] = peak
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=2))
-    os.replace(tmp, cache)
+    write_text_atomic(cache, json.dumps(known, indent=2))
     return peak
 
 

@@ -11,11 +11,10 @@ def total_optimizer_steps(
     micro_batch_size: int,
     accumulate_steps: int,
     world_size: int,
-    epochs: float | None,
+    epochs: float,
     max_steps: int | None = None,
 ) -> int:
-    """Optimizer steps of a run: `ceil(epochs * steps_per_epoch)`, capped by `max_steps` when given
-    (`epochs=None`: `max_steps` alone).
+    """Optimizer steps of a run: `max_steps` when given, else `ceil(epochs * steps_per_epoch)`.
 
     An epoch is `ceil(n_blocks / global_batch)` steps: its last step takes the leftover blocks.
     """
@@ -23,15 +22,10 @@ def total_optimizer_steps(
         raise ValueError(
             "the training split holds no blocks; build the dataset from more text or a shorter seq_len"
         )
-    if epochs is None:
-        if max_steps is None:
-            raise ValueError("give epochs, max_steps or both")
+    if max_steps is not None:
         return max_steps
     per_epoch = steps_per_epoch(n_blocks, micro_batch_size * accumulate_steps * world_size)
-    total = math.ceil(epochs * per_epoch - 1e-9)
-    if max_steps is not None:
-        total = min(total, max_steps)
-    return max(1, total)
+    return max(1, math.ceil(epochs * per_epoch - 1e-9))
 
 
 def steps_per_epoch(n_blocks: int, global_batch: int) -> int:

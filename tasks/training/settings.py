@@ -1,4 +1,9 @@
-"""Training settings: plain values only, so they travel as JSON to `torchrun` workers and into checkpoints."""
+"""TrainSettings: the one definition of every training option.
+
+The same typed object goes from the flow's config (`PretrainConfig` is a TrainSettings plus the other
+stages' options) to the train task, a train deployment's parameter, the torchrun workers and each
+checkpoint (`train_settings.json`). Plain values only, so it travels as JSON.
+"""
 
 from __future__ import annotations
 
@@ -11,49 +16,50 @@ class TrainSettings(BaseModel):
     """How to train. Steps are optimizer steps; one step consumes `micro_batch_size * accumulate_steps *
     nproc_per_node` packed blocks.
 
-    Length of the run: `ceil(epochs * steps_per_epoch)` optimizer steps, where the last step of each epoch
-    takes whatever blocks are left (a smaller step). When `max_steps` is also set, the run is the SHORTER
-    of the two; `epochs=None` leaves `max_steps` alone in charge (as many epochs as it takes).
+    Length of the run: `max_steps` when it is set; otherwise `ceil(epochs * steps_per_epoch)`, where the
+    last step of each epoch takes whatever blocks are left (a smaller step).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    micro_batch_size: int = Field(gt=0)
-    accumulate_steps: int = Field(default=1, gt=0)
-    max_steps: int | None = Field(default=None, gt=0)
-    epochs: float | None = Field(default=1.0, gt=0)
-
-    lr: float = Field(default=3e-4, gt=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup_steps: int = Field(default=0, ge=0)
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: float = Field(
-        default=0.2, gt=0, le=1, description="wsd: share of post-warmup steps that decay"
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass")
+    accumulate_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step")
+    max_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps; when set, it alone decides the run length"
     )
-    weight_decay: float = Field(default=0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping; the norm is logged anyway")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training blocks when max_steps is not set")
 
-    seed: int = 0
-    compile: bool = True
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    device: str = "auto"
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps")
+    schedule: Literal["cosine", "wsd"] = Field("cosine", description="cosine, or warmup-stable-decay")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: share of the post-warmup steps that decay"
+    )
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay of the matmul weights")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(
+        1.0, ge=0, description="Max global gradient norm; 0 disables clipping (the norm is logged)"
+    )
 
-    checkpoint_dir: str
-    checkpoint_every: int = Field(default=0, ge=0, description="0 = only at the end")
-    keep_checkpoints: int = Field(default=2, gt=0)
+    seed: int = Field(1337, description="Seeds data order, initialisation and sampling")
+    compile: bool = Field(True, description="torch.compile the model (after any checkpoint is loaded)")
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="Autocast precision")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
 
-    log_every: int = Field(default=1, gt=0)
-    nproc_per_node: int = Field(default=1, gt=0)
-    max_time_s: float | None = Field(default=None, gt=0)
+    checkpoint_every: int = Field(
+        0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept in the run directory")
+    log_every: int = Field(1, ge=1, description="Optimizer steps between logged metrics")
+    max_time_s: float | None = Field(
+        None, gt=0, description="Stop (after a checkpoint) once training ran this long"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainSettings:
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
-        if self.epochs is None and self.max_steps is None:
-            raise ValueError("set epochs, max_steps or both: with neither the run would never end")
-        if not self.checkpoint_dir:
-            raise ValueError("checkpoint_dir must be a directory path (it also decides where a run resumes)")
         return self

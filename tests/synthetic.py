@@ -1,19 +1,19 @@
-"""Small packed datasets and ModelRefs built directly on disk, for tests and benchmarks of the engine.
+"""Small packed datasets and models for the engine's tests, built without tokenizing anything.
 
-They follow the packed-dataset contract (train.npy/val.npy + meta.json), without tokenizing anything.
+The blocks go through the data layer's own writer (`tasks.data.packed`) and the models through the
+build stage, so the files are exactly what the pipeline makes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
-import torch
-from numpy.lib.format import open_memmap
 
-from model import LlamaConfig, LlamaForPretraining, count_params, save_weights
+from model import LlamaConfig
+from tasks.build import build_model
+from tasks.data.packed import FORMAT_VERSION, token_dtype, write_meta, write_split
 from tasks.refs import DatasetRef, ModelRef
 
 
@@ -29,34 +29,34 @@ def write_packed_dataset(
 ) -> DatasetRef:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    dtype = token_dtype(vocab_size)
     seq_len = train_blocks.shape[1] - 1
+    digest = hashlib.sha256()
+    counts = {}
     for name, blocks in (("train", train_blocks), ("val", val_blocks)):
-        out = open_memmap(directory / f"{name}.npy", mode="w+", dtype=dtype, shape=blocks.shape)
-        out[:] = blocks
-        out.flush()
-        del out
-    counts = {n: int((b[:, 1:] != pad_id).sum()) for n, b in (("train", train_blocks), ("val", val_blocks))}
+        stream = np.ascontiguousarray(blocks, dtype=dtype).reshape(-1)
+        write_split(directory / f"{name}.npy", stream, n_blocks=len(blocks), seq_len=seq_len, pad_id=pad_id)
+        digest.update(stream.tobytes())
+        counts[name] = int((blocks[:, 1:] != pad_id).sum())
     meta = {
         "seq_len": seq_len,
         "vocab_size": vocab_size,
         "bos_id": bos_id,
         "eos_id": eos_id,
         "pad_id": pad_id,
-        "dtype": np.dtype(dtype).name,
+        "dtype": dtype.name,
+        "format": FORMAT_VERSION,
+        "fingerprint": digest.hexdigest()[:16],
         "train_blocks": len(train_blocks),
         "val_blocks": len(val_blocks),
         "train_tokens": counts["train"],
         "val_tokens": counts["val"],
         "stats": {},
     }
-    (directory / "meta.json").write_text(json.dumps(meta, indent=2))
-    digest = hashlib.sha256(
-        np.ascontiguousarray(train_blocks).tobytes() + np.ascontiguousarray(val_blocks).tobytes()
-    )
+    write_meta(directory, meta)
     return DatasetRef(
         path=str(directory),
-        fingerprint=digest.hexdigest()[:16],
+        fingerprint=meta["fingerprint"],
         seq_len=seq_len,
         vocab_size=vocab_size,
         train_blocks=len(train_blocks),
@@ -77,12 +77,6 @@ def pattern_blocks(n_blocks: int, seq_len: int, vocab_size: int, seed: int, pad_
     return blocks.astype(np.int64)
 
 
-def write_model_ref(directory: str | Path, config: LlamaConfig, seed: int = 0) -> ModelRef:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = LlamaForPretraining(config)
-    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    save_weights(model, directory / "model.safetensors")
-    digest = hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()[:16]
-    return ModelRef(path=str(directory), fingerprint=digest, n_params=count_params(model))
+def model_ref(config: LlamaConfig, seed: int = 0) -> ModelRef:
+    """Initial weights of `config` from `seed`, as the build stage writes them."""
+    return build_model(config, seed=seed)

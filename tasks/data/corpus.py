@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.data_common import DataError, DataWarning, blake, unit_hash
-from tasks.data_files import (
+from tasks.data.common import DataError, DataWarning, blake, unit_hash
+from tasks.data.files import (
     RECORD_SUFFIXES,
     STDLIB_EXCLUDED_DIRS,
     TEXT_SUFFIXES,
@@ -41,7 +41,7 @@ from tasks.data_files import (
     line_cut,
     read_source_files,
 )
-from tasks.data_hf import hf_fingerprint, hf_split_dataset, parse_hf
+from tasks.data.hf import hf_fingerprint, hf_split_dataset, parse_hf
 
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",

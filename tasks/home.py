@@ -1,11 +1,14 @@
-"""Where llamaflow keeps things: project-local defaults that need no server.
+"""Where llamaflow keeps things (project-local defaults that need no server), and the embedded defaults
+that the entry points apply.
 
-Every path is absolute, because Prefect workers and torchrun ranks may run in other directories.
+Every path is absolute, because Prefect workers and torchrun ranks may run in other directories. Paths
+are read from the environment each time they are asked for, never fixed at import.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -43,17 +46,14 @@ def artifact_root() -> str:
     return (mlruns_dir() / "artifacts").as_uri()
 
 
-def apply_environment_defaults() -> None:
-    """Quiet, robust defaults for the embedded servers; a value the user exported always wins.
+def apply_embedded_defaults() -> None:
+    """Quiet, robust defaults for a run; a value the user exported always wins.
 
-    Runs on import of `tasks`, before Prefect reads its settings.
+    Called by the entry points (the command line, the flows, the torchrun worker), never on import.
+    Prefect's own defaults for the embedded server are in pyproject.toml (`[tool.prefect]`): Prefect
+    reads its settings when it is imported, so they cannot be set from here.
     """
     defaults = {
-        # The ephemeral server's telemetry fails offline and logs a `database is locked` traceback
-        # on a new database; analytics off is Prefect's own switch for it.
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # A new ephemeral database took 13-15 s to start here and once passed Prefect's 20 s limit.
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "TOKENIZERS_PARALLELISM": "false",
         # Per-file download bars of MLflow's local artifact copies say nothing a user needs.
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
@@ -61,7 +61,5 @@ def apply_environment_defaults() -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-    import warnings
-
     # SQLAlchemy 2.1 deprecates a loader strategy MLflow still uses; nothing for a user to act on.
     warnings.filterwarnings("ignore", message=".*noload.* loader strategy is deprecated")

@@ -10,7 +10,6 @@ with the model through `code_paths`), torch, tokenizers and mlflow — never `ta
     mlflow.pyfunc.load_model("models:/llamaflow-demo@champion").predict(["def "])
 """
 
-import json
 from typing import Any
 
 import mlflow
@@ -64,14 +63,12 @@ def resolve_params(params: dict[str, Any] | None) -> dict[str, Any]:
 
 class LlamaPyfunc(PythonModel):
     def load_context(self, context: PythonModelContext) -> None:
-        from model import LlamaConfig, LlamaForPretraining, load_weights
+        from model import load_pretrained
 
-        with open(context.artifacts["config"], encoding="utf-8") as handle:
-            config = LlamaConfig.from_dict(json.load(handle))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = LlamaForPretraining(config)
-        load_weights(model, context.artifacts["weights"])
-        self.model = model.to(self.device).eval()
+        model = load_pretrained(context.artifacts["config"], context.artifacts["weights"], device=self.device)
+        self.model = model.eval()
+        config = model.config
         self.tokenizer = Tokenizer.from_file(context.artifacts["tokenizer"])
         ids = context.model_config or {}
         missing = {"eos_id", "pad_id"} - set(ids)

@@ -1,8 +1,8 @@
-"""The `train` flow: training alone, deployed on the GPU pool for split placement.
+"""The `remote-train` flow: training alone, deployed on the GPU pool for split placement.
 
 The `pretrain` flow (with `placement="deployment"`) prepares data where it runs, then starts this flow
 through `run_deployment`, passing only references (paths on storage both sides can read) and the
-MLflow run id. The CheckpointRef travels back as a small JSON file in the checkpoint directory, so the
+MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory, so the
 parent needs no shared Prefect result storage.
 """
 
@@ -13,38 +13,34 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from tasks import settings as project_settings
-from tasks import tracking
+from model.atomic import write_text_atomic
+from tasks import home
+from tasks.home import apply_embedded_defaults
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.tracking import store
 from tasks.train import train_task
 from tasks.training import TrainSettings
 
-RESULT_FILE = "train-result.json"
+RESULT_FILE = "remote_train_result.json"
 
 
 class SharedStorageError(RuntimeError):
     """The train flow cannot see what the pretrain flow prepared."""
 
 
-def write_result(checkpoint: CheckpointRef, checkpoint_dir: str | Path, flow_run_id: str) -> Path:
+def write_result(checkpoint: CheckpointRef, run_dir: str | Path, flow_run_id: str) -> Path:
     """Write the CheckpointRef beside the checkpoints, atomically (a reader never sees half a file)."""
-    target = Path(checkpoint_dir) / RESULT_FILE
-    partial = target.with_name(f".{RESULT_FILE}.{os.getpid()}.tmp")
-    partial.write_text(
-        json.dumps({"flow_run_id": flow_run_id, "checkpoint": checkpoint.model_dump(mode="json")})
-    )
-    os.replace(partial, target)
-    return target
+    payload = {"flow_run_id": flow_run_id, "checkpoint": checkpoint.model_dump(mode="json")}
+    return write_text_atomic(Path(run_dir) / RESULT_FILE, json.dumps(payload))
 
 
-def read_result(checkpoint_dir: str | Path, flow_run_id: str) -> CheckpointRef:
+def read_result(run_dir: str | Path, flow_run_id: str) -> CheckpointRef:
     """The CheckpointRef written by train flow run `flow_run_id`; a clear error if it is missing or stale."""
-    source = Path(checkpoint_dir) / RESULT_FILE
+    source = Path(run_dir) / RESULT_FILE
     if not source.is_file():
         raise SharedStorageError(
             f"the train flow run {flow_run_id} completed but {source} does not exist here: the worker "
@@ -84,9 +80,9 @@ def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, trac
             "deployment must share storage at the same path (set LLAMAFLOW_HOME to a shared mount on both)"
         )
     if run_id is not None:
-        tracking_uri = tracking_uri or project_settings.tracking_uri()
+        tracking_uri = tracking_uri or home.tracking_uri()
         try:
-            tracking.run_status(run_id, tracking_uri)
+            store.run_status(run_id, tracking_uri)
         except Exception as err:  # MLflow raises its own exception types per store
             raise SharedStorageError(
                 f"MLflow run {run_id} is not in the tracking store {tracking_uri}: the worker must reach "
@@ -94,24 +90,26 @@ def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, trac
             ) from err
 
 
-@flow(name="train", log_prints=True, validate_parameters=True)
-def train(
+@flow(name="remote-train", log_prints=True, validate_parameters=True)
+def remote_train(
     model: ModelRef,
     dataset: DatasetRef,
-    settings: dict[str, Any],
+    settings: TrainSettings,
+    run_dir: str,
     run_id: str | None = None,
     tracking_uri: str | None = None,
     retries: int = 1,
 ) -> CheckpointRef:
-    """Train `model` on `dataset` (TrainSettings fields in `settings`); retries resume from the newest checkpoint."""
-    if "checkpoint_dir" not in settings:
-        raise ValueError("settings must name a checkpoint_dir both flows can read; the pretrain flow sets it")
-    TrainSettings(**settings)  # a bad value fails here, before the input checks and the compile
+    """Train `model` on `dataset` in `run_dir` (a directory both flows can read); retries resume from the
+    newest checkpoint there."""
+    apply_embedded_defaults()
     _check_inputs(model, dataset, run_id, tracking_uri)
     with _tracking_uri(tracking_uri):
-        checkpoint = train_task.with_options(retries=retries)(model, dataset, settings, run_id=run_id)
+        checkpoint = train_task.with_options(retries=retries)(
+            model, dataset, settings, run_dir, run_id=run_id
+        )
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
-    where = write_result(checkpoint, settings["checkpoint_dir"], flow_run_id)
+    where = write_result(checkpoint, run_dir, flow_run_id)
     get_run_logger().info(f"checkpoint of step {checkpoint.step} at {checkpoint.path}; reference in {where}")
     return checkpoint

@@ -1,0 +1,1 @@
+"""What the registry holds of a llamaflow model: `pyfunc.py`, the MLflow pyfunc logged as code."""
