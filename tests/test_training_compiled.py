@@ -168,13 +168,13 @@ def test_sigterm_stops_after_a_checkpoint(refs: tuple[ModelRef, DatasetRef], tmp
 
 
 def test_compile_watch_counts_a_recompile() -> None:
-    from tasks.training.engine import _CompileWatch
+    from tasks.training.control import CompileWatch
 
     def affine(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
 
     compiled = torch.compile(affine, dynamic=False)
-    with _CompileWatch().watching() as watch:
+    with CompileWatch().watching() as watch:
         compiled(torch.ones(3))
         first = watch.count
         compiled(torch.ones(3))

@@ -19,7 +19,7 @@ from tasks.training import TrainingError, TrainSettings, fit, lr_at, read_metric
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
 from tasks.training.loader import IGNORE_INDEX, BlockLoader
-from tasks.training.optim import count_targets, token_loss_sum
+from tasks.training.loss import count_targets, token_loss_sum
 
 VOCAB = 96
 SEQ = 16

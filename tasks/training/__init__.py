@@ -9,11 +9,12 @@ logged step; the last line of a step wins), and for torchrun jobs `torchrun_spec
 checkpoint, or returns at once when that checkpoint finished the run.
 
 One concern per module: `launch` (in-process or torchrun), `worker` (one torchrun rank), `engine` (one
-process's loop), `loader` (batches), `optim` (optimizer, loss), `schedule` (LR and run length),
-`checkpoint`, `metrics`, `distributed`, `precision`, `faults` (fault injection for tests).
+process, set up), `loop` (its optimizer steps), `loader` (batches), `loss`, `optim`, `schedule` (LR and run
+length), `checkpoint`, `resume`, `metrics`, `control` (compile watch, stop signals), `distributed`,
+`precision`, `settings`, `errors`, `faults` (fault injection for tests).
 """
 
-from tasks.training.engine import TrainingError, TrainingInterrupted
+from tasks.training.errors import TrainingError, TrainingInterrupted
 from tasks.training.launch import fit
 from tasks.training.metrics import MetricSink, read_metrics
 from tasks.training.schedule import lr_at, total_optimizer_steps

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict
 from model.atomic import write_text_atomic
 from tasks.home import PROJECT_ROOT
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.training.engine import TrainingError, TrainingInterrupted, run_process, validate_inputs
+from tasks.training.engine import run_process, validate_inputs
+from tasks.training.errors import TrainingError, TrainingInterrupted
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.settings import TrainSettings
 
