@@ -90,7 +90,7 @@ def train_on_deployment(
         "model": model,
         "dataset": dataset,
         "settings": settings,
-        "run_dir": run_dir,
+        "run_dir": home.portable(run_dir),  # under the home: the training worker's own
         "run_id": run_id,
         "tracking_uri": home.tracking_uri(),
         "retries": retries,

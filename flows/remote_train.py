@@ -1,9 +1,9 @@
 """The `remote-train` flow: training alone, deployed on the GPU pool for split placement.
 
 The `pretrain` flow (with `placement="deployment"`) prepares data where it runs, then starts this flow
-through `run_deployment`, passing only references (paths on storage both sides can read) and the
-MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory, so the
-parent needs no shared Prefect result storage.
+through `run_deployment`, passing only references (paths relative to each side's LLAMAFLOW_HOME) and the
+MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory when both sides
+share it, else through the MLflow run's artifacts (flows/handoff.py); no Prefect result storage is needed.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def remote_train(
     tracking_uri: str | None = None,
     retries: int = 1,
 ) -> CheckpointRef:
-    """Train `model` on `dataset` in `run_dir` (a directory both flows can read); retries resume from the
-    newest checkpoint there."""
+    """Train `model` on `dataset` in `run_dir` (under `$LLAMAFLOW_HOME`: this worker's home); retries resume
+    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py)."""
     apply_embedded_defaults()
+    run_dir = home.local(run_dir)  # `$LLAMAFLOW_HOME/runs/...`: in this worker's home
     fetched = _check_inputs(model, dataset, run_id, tracking_uri)
     if fetched:
         get_run_logger().info(f"fetched {' and '.join(fetched)} from MLflow run {run_id} (no shared disk)")
