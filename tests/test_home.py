@@ -90,3 +90,18 @@ def test_refs_name_home_paths_relative_to_the_home_of_whoever_reads_them(
     )
     assert checkpoint.run_dir == str(tmp_path / "worker" / "runs" / "r")
     assert checkpoint.path == str(tmp_path / "worker" / "runs" / "r" / "step_000002")
+
+
+def test_a_worker_flow_run_without_a_home_is_warned_that_its_caches_die_with_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("LLAMAFLOW_HOME", "LLAMAFLOW_MLRUNS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(home, "_DEFAULTED", set())
+    monkeypatch.chdir(tmp_path)  # a process worker's throwaway directory
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "00000000-0000-0000-0000-000000000000")
+    with caplog.at_level("WARNING", logger="llamaflow"):
+        home.apply_embedded_defaults()
+    assert os.environ["LLAMAFLOW_HOME"] == str(tmp_path / ".llamaflow")
+    assert "LLAMAFLOW_HOME is not set on this worker" in caplog.text
+    assert "lost when the run ends" in caplog.text
