@@ -34,7 +34,7 @@ COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 x = p['optional-dependencies']; print('\n'.join(p['dependencies'] + x['postgres'] + x['gpu']))" \
     > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt "setuptools>=68" prefect-docker prefect-kubernetes
+    && pip install -r /tmp/requirements.txt "setuptools>=70.1" prefect-docker prefect-kubernetes
 
 # The project at the image's own commit, for deployments that run it without a pull step.
 COPY flows flows

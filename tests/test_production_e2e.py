@@ -83,6 +83,13 @@ def _publish_snapshot(root: Path) -> Path:
 
 def _worker_venv(path: Path) -> Path:
     """A virtual environment of the worker's own; the dependencies come from the test environment, read-only."""
+    import setuptools
+
+    if tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1):
+        pytest.fail(
+            f"setuptools {setuptools.__version__} cannot build the project without build isolation: "
+            "install the dev extra (make install), which asks for setuptools>=70.1"
+        )
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(path)], check=True)
     purelib = subprocess.run(
