@@ -25,10 +25,11 @@ from pydantic import BaseModel, ValidationError
 
 from flows.config import PretrainConfig
 from flows.placement import check_placement, train_where_placed
+from flows.remote_train import FLOW_TIMEOUT_S
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
 from tasks.evaluate import evaluate_task
-from tasks.home import apply_embedded_defaults, runs_dir
+from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
 from tasks.register import register_task
 from tasks.tokenize import train_tokenizer_task
@@ -57,7 +58,7 @@ def _run_identity(config: PretrainConfig) -> tuple[str, str]:
     return config.run_name or f"run-{key[:8]}", key
 
 
-@flow(name="pretrain", log_prints=True, validate_parameters=True)
+@flow(name="pretrain", log_prints=True, validate_parameters=True, timeout_seconds=FLOW_TIMEOUT_S)
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     apply_embedded_defaults()
@@ -157,6 +158,7 @@ def _print_summary(result: PretrainResult) -> None:
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
     lines.append(f"look next: {store.run_link(result.run_id, result.tracking_uri)}")
+    lines.append(f"stored:    {describe_locations()}")
     lines.append(
         f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')"
     )

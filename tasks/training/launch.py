@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import write_text_atomic
-from tasks.home import PROJECT_ROOT
+from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training.engine import run_process, validate_inputs
 from tasks.training.errors import TrainingError, TrainingInterrupted
@@ -100,8 +100,9 @@ def _fit_with_torchrun(
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    env[HOME_ENV], env[MLRUNS_ENV] = str(home()), str(mlruns_dir())  # the ranks see this process's places
     # Output is inherited (streamed as it comes); metrics arrive through metrics.jsonl.
-    process = subprocess.Popen(command, env=env, cwd=PROJECT_ROOT, start_new_session=True)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     stop_sent = False
     try:
         while process.poll() is None:
