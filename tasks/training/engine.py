@@ -66,6 +66,11 @@ def validate_inputs(
             f"dataset seq_len {meta['seq_len']} exceeds max_position_embeddings {config.max_position_embeddings}: "
             "use a shorter seq_len or a model with more positions"
         )
+    if settings.document_mask and meta.get("eos_id") is None:
+        raise TrainingError(
+            f"document_mask needs the dataset's EOS id, and {dataset_ref.path}/meta.json has none: rebuild the "
+            "dataset with a tokenizer that has an EOS token, or train without document_mask"
+        )
     return config, meta
 
 
@@ -145,7 +150,7 @@ def run_process(
         step, tokens_seen = state["step"], state["tokens_seen"]
 
     # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
-    model: nn.Module = LossHead(plain)
+    model: nn.Module = LossHead(plain, eos_id=meta["eos_id"] if settings.document_mask else None)
     if settings.compile:
         model = torch.compile(model, dynamic=False)
     if ddp_wrap is not None:
