@@ -151,10 +151,12 @@ def run_process(
 
     # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
     model: nn.Module = LossHead(plain, eos_id=meta["eos_id"] if settings.document_mask else None)
-    if settings.compile:
-        model = torch.compile(model, dynamic=False)
+    # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
+    # all-reduce overlaps the rest of the backward pass.
     if ddp_wrap is not None:
         model = ddp_wrap(model, device)
+    if settings.compile:
+        model = torch.compile(model, dynamic=False)
 
     loop = TrainLoop(
         model=model,
