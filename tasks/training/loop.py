@@ -212,8 +212,8 @@ class TrainLoop:
             "train/epoch": self.loader.position.epoch + self.loader.position.index / len(self.loader.blocks),
         }
         if self.compile_time_s is None:
-            self.compile_time_s = step_time
-            metrics["train/compile_time_s"] = step_time
+            self.compile_time_s = wall_time
+            metrics["train/compile_time_s"] = wall_time
         else:
             self.steady_tokens += int(n_tokens)
             self.steady_time += wall_time
