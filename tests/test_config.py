@@ -41,6 +41,7 @@ NON_DEFAULT_FLAGS = {
     "seed": ["--seed", "42"],
     "compile": ["--no-compile"],
     "dtype": ["--dtype", "fp32"],
+    "document_mask": ["--document-mask"],
     "device": ["--device", "cpu"],
     "nproc_per_node": ["--nproc-per-node", "2"],
     "checkpoint_every": ["--checkpoint-every", "11"],

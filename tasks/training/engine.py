@@ -66,6 +66,11 @@ def validate_inputs(
             f"dataset seq_len {meta['seq_len']} exceeds max_position_embeddings {config.max_position_embeddings}: "
             "use a shorter seq_len or a model with more positions"
         )
+    if settings.document_mask and meta.get("eos_id") is None:
+        raise TrainingError(
+            f"document_mask needs the dataset's EOS id, and {dataset_ref.path}/meta.json has none: rebuild the "
+            "dataset with a tokenizer that has an EOS token, or train without document_mask"
+        )
     return config, meta
 
 
@@ -145,11 +150,13 @@ def run_process(
         step, tokens_seen = state["step"], state["tokens_seen"]
 
     # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
-    model: nn.Module = LossHead(plain)
-    if settings.compile:
-        model = torch.compile(model, dynamic=False)
+    model: nn.Module = LossHead(plain, eos_id=meta["eos_id"] if settings.document_mask else None)
+    # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
+    # all-reduce overlaps the rest of the backward pass.
     if ddp_wrap is not None:
         model = ddp_wrap(model, device)
+    if settings.compile:
+        model = torch.compile(model, dynamic=False)
 
     loop = TrainLoop(
         model=model,

@@ -68,13 +68,16 @@ class TrainLoop:
         self.start_step = self.step
         self.compile_time_s: float | None = None
         self.steady_tokens = 0
-        self.steady_time = 0.0
+        self.steady_time = 0.0  # wall clock of the steps after the first
+        # End of the previous step's whole iteration: a step's wall time runs from there, so it includes
+        # loading its batch and the previous step's logging and checkpoint, not only the compute.
+        self.wall_mark = time.perf_counter()
         self.last_loss = float("nan")
         self.last_metrics: dict[str, float] = {}
         self.compile_watch = CompileWatch()
 
     def run(self) -> CheckpointRef:
-        started = time.perf_counter()
+        started = self.wall_mark = time.perf_counter()
         watch = self.compile_watch
         signals = StopSignals()
         bar = tqdm(
@@ -185,30 +188,35 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - t0
+        now = time.perf_counter()
+        step_time, wall_time = now - t0, now - self.wall_mark
+        self.wall_mark = now
 
         self.step = step_number
         self.tokens_seen += int(n_tokens)
         self.last_loss = step_loss
-        tokens_per_s = n_tokens / step_time
+        # The headline figure is wall clock, everything included; the compute-only rate is kept beside it.
+        tokens_per_s = n_tokens / wall_time
         metrics = {
             "train/loss": step_loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s,
+            "train/compute_tokens_per_s": n_tokens / step_time,
             "train/mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
-            "train/step_time_s": step_time,
+            "train/step_time_s": wall_time,
+            "train/compute_time_s": step_time,
             "train/tokens_seen": float(self.tokens_seen),
             "train/peak_mem_mb": peak_memory_mb(self.device),
             "train/total_steps": float(self.total_steps),
             "train/epoch": self.loader.position.epoch + self.loader.position.index / len(self.loader.blocks),
         }
         if self.compile_time_s is None:
-            self.compile_time_s = step_time
-            metrics["train/compile_time_s"] = step_time
+            self.compile_time_s = wall_time
+            metrics["train/compile_time_s"] = wall_time
         else:
             self.steady_tokens += int(n_tokens)
-            self.steady_time += step_time
+            self.steady_time += wall_time
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
