@@ -97,7 +97,8 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
     assert [s for s, _ in checkpoint_dirs(Path(ddp.run_dir))] == [2, 4]
     assert ddp_sink.steps == [1, 2, 3, 4]  # forwarded from rank 0's metrics.jsonl
     assert read_metrics(ddp.run_dir).keys() == {1, 2, 3, 4}
-    for name, rtol in (("train/loss", 1e-5), ("train/grad_norm", 1e-4)):
+    # AdamW hides a gradient off by a factor (the world size); the gradient norm of every step does not.
+    for name, rtol in (("train/grad_norm", 1e-4), ("train/loss", 1e-5)):
         np.testing.assert_allclose(
             [ddp_sink.metrics[s][name] for s in range(1, 5)],
             [single_sink.metrics[s][name] for s in range(1, 5)],
