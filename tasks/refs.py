@@ -61,6 +61,9 @@ class CheckpointRef(_Ref):
     step: int
     tokens_seen: int
     metrics: dict[str, float] = Field(default_factory=dict)
+    run_length: str = Field(
+        "", description="How many optimizer steps, and whether max_steps or epochs set it"
+    )
 
 
 class EvalResult(_Ref):

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class TrainLoop:
     progress: bool
     should_stop: Callable[[], bool] | None
     last_checkpoint: Path | None
+    run_facts: dict[str, Any] = field(default_factory=dict)  # RunShape and run length, saved for resume
 
     def __post_init__(self) -> None:
         self.faults = FaultInjector(self.run_dir)
@@ -255,13 +256,15 @@ class TrainLoop:
         }
 
     def _checkpoint(self, recompiles: int, stopped_early: bool) -> None:
+        rng_states = self.dist.gather_object(ckpt.capture_rng_state(self.device))
         if self.dist.is_main:
+            assert rng_states is not None
             trainer_state = {
                 "step": self.step,
                 "total_steps": self.total_steps,
                 "tokens_seen": self.tokens_seen,
                 "loader": self.loader.state_dict(),
-                "rng": ckpt.capture_rng_state(),
+                "run": self.run_facts,
                 "schedule": {
                     "lr": self.settings.lr,
                     "warmup_steps": self.settings.warmup_steps,
@@ -278,6 +281,7 @@ class TrainLoop:
                 trainer_state=trainer_state,
                 model_config=self.config.to_dict(),
                 settings=self.settings.model_dump(mode="json"),
+                rng_states=rng_states,  # type: ignore[arg-type]
                 keep=self.settings.keep_checkpoints,
                 midway=lambda: self.faults.mid_checkpoint(self.step),
             )
@@ -293,4 +297,5 @@ def checkpoint_ref(path: Path, run_dir: Path, state: dict[str, Any]) -> Checkpoi
         step=int(state["step"]),
         tokens_seen=int(state["tokens_seen"]),
         metrics={k: float(v) for k, v in state.get("summary", {}).items()},
+        run_length=str(state.get("run", {}).get("length", "")),
     )
