@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = config_from_args(argv)
         except ValidationError as err:
-            print(f"invalid configuration:\n{err}", file=sys.stderr)
+            print(f"invalid configuration:\n{describe_validation_error(err)}", file=sys.stderr)
             return 2
     for note in notes:
         if issubclass(note.category, ConfigNote):
@@ -284,6 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         _end_quietly(f"error: {err}")
         return 2 if isinstance(err, _bad_input_errors()) else 1
     return 0
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem, `field: message`, without pydantic's echo of the input and its docs link."""
+    lines = []
+    for problem in err.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {message}" if where else f"  {message}")
+    return "\n".join(lines)
 
 
 def _end_quietly(message: str) -> None:
