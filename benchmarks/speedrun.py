@@ -4,9 +4,12 @@
 
 Both sides train the same architecture size (the preset's model) on the main job's data (the stdlib corpus,
 tokenized and packed by the data stages), in the same block order, in one process, one after the other:
-  baseline   transformers' LlamaForCausalLM (attn_implementation="sdpa"), the loss inside the compiled
-             module, bf16 autocast, fused AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on matmul
-             weights, linear warmup over 10% of the steps, cosine to 10%), gradient clipping at 1.0, a plain loop;
+  baseline   transformers' LlamaForCausalLM (attn_implementation="sdpa") of the preset's size as Hugging Face
+             can hold it (no QK-norm; normal(0, 0.02) initialisation of every matrix, through `export_hf`),
+             the loss inside the compiled module, bf16 autocast, 8 x 256-token sequences x 4 accumulated
+             (the AdamW demo preset's batch), fused AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on
+             matmul weights, linear warmup over 10% of the steps, cosine to 10%), gradient clipping at 1.0,
+             a plain loop;
   llamaflow  the real engine (`tasks.training.fit`) with the preset's recipe (its optimizer, LRs, schedule),
              `--recipe-steps` steps (default: the baseline's token budget).
 Validation bits per byte (summed token loss in bits over the UTF-8 bytes of the scored text) is measured on
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +110,9 @@ def wall_curve(step_times: list[float]) -> list[float]:
     return list(np.cumsum([steady, *step_times[1:]]))
 
 
+BASELINE_MICRO_BATCH, BASELINE_ACCUMULATE = 8, 4
+
+
 def run_baseline(
     config: PretrainConfig,
     model_dir: Path,
@@ -135,8 +142,8 @@ def run_baseline(
     loader = BlockLoader(
         blocks,
         pad_id=pad_id,
-        micro_batch_size=config.micro_batch_size,
-        accumulate_steps=config.accumulate_steps,
+        micro_batch_size=BASELINE_MICRO_BATCH,
+        accumulate_steps=BASELINE_ACCUMULATE,
         seed=config.seed,
     )
     warmup = max(1, round(0.1 * steps))
@@ -249,11 +256,13 @@ def main() -> None:
     tokenizer = train_tokenizer(config.data, config.vocab_size, val_fraction=config.val_fraction)
     dataset = build_dataset(config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction)
     model_ref = build_model(config.llama_config(), seed=config.seed)
+    plain_llama = replace(config.llama_config(), qk_norm=False, zero_init_output_projections=False)
+    baseline_ref = build_model(plain_llama, seed=config.seed)
     blocks, val = open_blocks(dataset.path, "train"), open_blocks(dataset.path, "val")
     bpb = BitsPerByte(
         val, token_byte_lengths(tokenizer.path), tokenizer.pad_id, args.eval_blocks, config.dtype
     )
-    recipe_steps = args.recipe_steps or args.steps * 8 * 4 // (
+    recipe_steps = args.recipe_steps or args.steps * BASELINE_MICRO_BATCH * BASELINE_ACCUMULATE // (
         config.micro_batch_size * config.accumulate_steps
     )
 
@@ -264,7 +273,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     baseline = run_baseline(
         config,
-        Path(model_ref.path),
+        Path(baseline_ref.path),
         blocks,
         tokenizer.pad_id,
         args.steps,
