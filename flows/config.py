@@ -154,6 +154,11 @@ class PretrainConfig(TrainSettings):
         if preset not in RUN_PRESETS:
             raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}")
         merged = {**RUN_PRESETS[preset], **values}
+        if isinstance(values.get("model_overrides"), dict):  # added to the preset's (demo sets qk_norm there)
+            merged["model_overrides"] = {
+                **RUN_PRESETS[preset].get("model_overrides", {}),
+                **values["model_overrides"],
+            }
         if "epochs" in values and "max_steps" not in values:
             merged["max_steps"] = None  # the epochs given set the run length, not the preset's max_steps
         warmup, max_steps = merged.get("warmup_steps"), merged.get("max_steps")

@@ -240,3 +240,10 @@ def test_a_user_error_inside_a_task_ends_the_output_alone_with_exit_code_2(tmp_p
     last_log = max(i for i, line in enumerate(lines) if log_line.match(line))
     assert lines[last_log + 1 :] == lines[-1:], "only the message may follow Prefect's logs"
     assert "Traceback" in proc.stderr  # still in Prefect's logs
+
+
+def test_model_overrides_given_add_to_the_presets() -> None:
+    config = PretrainConfig(preset="demo", model_overrides={"num_hidden_layers": 4, "qk_norm": False})
+    model = config.llama_config()
+    assert model.num_hidden_layers == 4 and not model.qk_norm and model.zero_init_output_projections
+    assert PretrainConfig(preset="demo").llama_config().qk_norm
