@@ -34,6 +34,11 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
+    # Not in Hugging Face's Llama: QK-norm (parameter-free RMS normalisation of each query and key head
+    # before RoPE) changes the function, so export_hf refuses it; zero-initialised output projections
+    # (o_proj, down_proj) only change the initial weights.
+    qk_norm: bool = False
+    zero_init_output_projections: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

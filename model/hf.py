@@ -73,6 +73,10 @@ def _from_hf_state(hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str
     return state
 
 
+# LlamaConfig fields Hugging Face's Llama does not have (export_hf refuses a model that needs them).
+_LLAMAFLOW_ONLY = ("qk_norm", "zero_init_output_projections")
+
+
 def hf_config_dict(config: LlamaConfig, torch_dtype: torch.dtype, special_ids: dict[str, int | None]) -> dict:
     data: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -83,7 +87,7 @@ def hf_config_dict(config: LlamaConfig, torch_dtype: torch.dtype, special_ids: d
         "mlp_bias": False,
         "pretraining_tp": 1,
         "use_cache": True,
-        **{k: v for k, v in config.to_dict().items() if k not in ("rope_scaling",)},
+        **{k: v for k, v in config.to_dict().items() if k not in ("rope_scaling", *_LLAMAFLOW_ONLY)},
         # transformers < 5 reads rope_scaling + rope_theta; 5.x reads rope_parameters (and converts the former).
         "rope_scaling": config.rope_scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -123,9 +127,14 @@ def export_hf(
         raise TypeError(
             f"export_hf expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}"
         )
+    config = plain.config
+    if config.qk_norm:
+        raise ValueError(
+            "this model normalises queries and keys (qk_norm=True), which Hugging Face's Llama does not: "
+            "export_hf would write a different model; train with qk_norm=False to export"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = plain.config
 
     special_tokens: dict[str, str | None] = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
     special_ids: dict[str, int | None] = {}

@@ -53,6 +53,7 @@ class Attention(nn.Module):
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qk_norm_eps = config.rms_norm_eps if config.qk_norm else None
 
     def forward(
         self,
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        if self.qk_norm_eps is not None:
+            q = F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps)
+            k = F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
@@ -153,7 +157,8 @@ class LlamaForPretraining(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
-        """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms."""
+        """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms; zeros for
+        o_proj and down_proj with `zero_init_output_projections` (each block starts as the identity)."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -162,6 +167,10 @@ class LlamaForPretraining(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if self.config.zero_init_output_projections:
+            for layer in self.model.layers:
+                nn.init.zeros_(layer.self_attn.o_proj.weight)
+                nn.init.zeros_(layer.mlp.down_proj.weight)
 
     def forward(
         self,

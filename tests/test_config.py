@@ -29,7 +29,16 @@ NON_DEFAULT_FLAGS = {
     "accumulate_steps": ["--accumulate-steps", "5"],
     "max_steps": ["--max-steps", "77"],
     "epochs": ["--epochs", "2.5"],
+    "optimizer": ["--optimizer", "muon"],
     "lr": ["--lr", "0.0123"],
+    "embed_lr": ["--embed-lr", "0.03"],
+    "head_lr": ["--head-lr", "0.004"],
+    "scalar_lr": ["--scalar-lr", "0.005"],
+    "muon_lr": ["--muon-lr", "0.05"],
+    "muon_momentum": ["--muon-momentum", "0.9"],
+    "muon_ns_steps": ["--muon-ns-steps", "4"],
+    "muon_weight_decay": ["--muon-weight-decay", "0.01"],
+    "muon_adjust_lr": ["--muon-adjust-lr", "match_rms_adamw"],
     "min_lr_ratio": ["--min-lr-ratio", "0.25"],
     "warmup_steps": ["--warmup-steps", "7"],
     "schedule": ["--schedule", "wsd"],
@@ -234,3 +243,10 @@ def test_a_user_error_inside_a_task_ends_the_output_alone_with_exit_code_2(tmp_p
     last_log = max(i for i, line in enumerate(lines) if log_line.match(line))
     assert lines[last_log + 1 :] == lines[-1:], "only the message may follow Prefect's logs"
     assert "Traceback" in proc.stderr  # still in Prefect's logs
+
+
+def test_model_overrides_given_add_to_the_presets() -> None:
+    config = PretrainConfig(preset="demo", model_overrides={"num_hidden_layers": 4, "qk_norm": False})
+    model = config.llama_config()
+    assert model.num_hidden_layers == 4 and not model.qk_norm and model.zero_init_output_projections
+    assert PretrainConfig(preset="demo").llama_config().qk_norm

@@ -176,14 +176,7 @@ def run_process(
     _seed_rank(settings.seed, dist.rank)
     plain = load_pretrained(config, resume or Path(model_ref.path), device=device)
     plain.train()
-    optimizer = build_optimizer(
-        plain,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        betas=settings.betas,
-        eps=settings.eps,
-        device=device,
-    )
+    optimizer = build_optimizer(plain, settings, device)
     loader = BlockLoader(
         blocks,
         pad_id=meta["pad_id"],

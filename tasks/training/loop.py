@@ -33,6 +33,7 @@ from tasks.training.faults import FaultInjector
 from tasks.training.loader import BlockLoader
 from tasks.training.loss import count_targets
 from tasks.training.metrics import JsonlMetrics, MetricSink, device_peak_flops, peak_memory_mb
+from tasks.training.optim import TrainOptimizer
 from tasks.training.precision import autocast
 from tasks.training.schedule import lr_at
 from tasks.training.settings import TrainSettings
@@ -42,7 +43,7 @@ from tasks.training.settings import TrainSettings
 class TrainLoop:
     model: nn.Module  # LossHead(plain): (inputs, targets) -> summed token loss; compiled and/or DDP-wrapped
     plain: nn.Module  # the plain module: parameters, checkpoints
-    optimizer: torch.optim.Optimizer
+    optimizer: TrainOptimizer
     loader: BlockLoader
     settings: TrainSettings
     dist: DistContext
@@ -143,17 +144,17 @@ class TrainLoop:
         step_number = self.step + 1
         self.faults.before_step(step_number)
         batch = self.loader.next_step()
-        lr = lr_at(
+        lr_scale = lr_at(
             self.step,
-            lr=self.settings.lr,
+            lr=1.0,
             total_steps=self.total_steps,
             warmup_steps=self.settings.warmup_steps,
             min_lr_ratio=self.settings.min_lr_ratio,
             schedule=self.settings.schedule,
             decay_fraction=self.settings.decay_fraction,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr_scale(lr_scale)
+        lr = self.settings.lr * lr_scale
         t0 = time.perf_counter()
         n_tokens = self.dist.sum(float(count_targets([t for _, t in batch.micro_batches])), self.device)
         if n_tokens == 0:
@@ -201,6 +202,7 @@ class TrainLoop:
         metrics = {
             "train/loss": step_loss,
             "train/lr": lr,
+            **({"train/muon_lr": self.settings.muon_lr * lr_scale} if "muon" in self.optimizer.parts else {}),
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s,
             "train/compute_tokens_per_s": n_tokens / step_time,

@@ -22,7 +22,16 @@ from tasks.training.settings import TrainSettings
 # values back in place of changed ones.
 RESUME_MUST_MATCH = (
     "seed",
+    "optimizer",
     "lr",
+    "embed_lr",
+    "head_lr",
+    "scalar_lr",
+    "muon_lr",
+    "muon_momentum",
+    "muon_ns_steps",
+    "muon_weight_decay",
+    "muon_adjust_lr",
     "min_lr_ratio",
     "warmup_steps",
     "schedule",

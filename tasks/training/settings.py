@@ -29,7 +29,28 @@ class TrainSettings(BaseModel):
     )
     epochs: float = Field(1.0, gt=0, description="Passes over the training blocks when max_steps is not set")
 
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw: AdamW for every parameter; muon: Muon for the 2-D weights inside the decoder "
+        "layers, AdamW for embeddings, output head and norms",
+    )
+    lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate (the default of every AdamW group)")
+    embed_lr: float | None = Field(
+        None, gt=0, description="Peak AdamW LR of the embeddings and a tied output head (default: lr)"
+    )
+    head_lr: float | None = Field(
+        None, gt=0, description="Peak AdamW LR of an untied output head (default: lr)"
+    )
+    scalar_lr: float | None = Field(None, gt=0, description="Peak AdamW LR of norm gains (default: lr)")
+    muon_lr: float = Field(0.04, gt=0, description="muon: peak Muon LR of the hidden matrices")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum")
+    muon_ns_steps: int = Field(5, ge=1, le=99, description="muon: Newton-Schulz iterations")
+    muon_weight_decay: float = Field(0.0, ge=0, description="muon: decoupled weight decay (times the LR)")
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
+        "original",
+        description="muon: LR scale per matrix shape: original = sqrt(max(1, rows/cols)); match_rms_adamw = "
+        "0.2 sqrt(max(rows, cols)) (Moonshot's, for AdamW-sized LRs)",
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps")
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="cosine, or warmup-stable-decay")
