@@ -2,7 +2,7 @@
 
 `placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the
 `remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths on storage both
-machines read at the same path, the MLflow run id and tracking URI. Both sides must therefore share
+machines read at the same path, the MLflow run id and the tracking URI without its credentials. Both sides must therefore share
 LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md explains the set-up.
 """
 
@@ -12,6 +12,7 @@ from flows.config import PretrainConfig
 from flows.remote_train import read_result
 from tasks import home
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.tracking.store import redact_uri
 from tasks.train import train_task
 from tasks.training import TrainSettings
 
@@ -65,6 +66,28 @@ def train_where_placed(
     )
 
 
+def deployment_parameters(
+    model: ModelRef,
+    dataset: DatasetRef,
+    settings: TrainSettings,
+    run_dir: str,
+    *,
+    run_id: str | None,
+    retries: int,
+) -> dict[str, object]:
+    """The remote-train flow run's parameters. Prefect stores and shows parameters, so the MLflow store
+    goes without its credentials (the worker's environment supplies them, see flows/remote_train.py)."""
+    return {
+        "model": model,
+        "dataset": dataset,
+        "settings": settings,
+        "run_dir": run_dir,
+        "run_id": run_id,
+        "tracking_uri": redact_uri(home.tracking_uri()),
+        "retries": retries,
+    }
+
+
 def train_on_deployment(
     deployment: str,
     model: ModelRef,
@@ -81,15 +104,7 @@ def train_on_deployment(
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
-    parameters = {
-        "model": model,
-        "dataset": dataset,
-        "settings": settings,
-        "run_dir": run_dir,
-        "run_id": run_id,
-        "tracking_uri": home.tracking_uri(),
-        "retries": retries,
-    }
+    parameters = deployment_parameters(model, dataset, settings, run_dir, run_id=run_id, retries=retries)
     # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
     try:
         flow_run = run_deployment(deployment, parameters=parameters, timeout=timeout_s, as_subflow=True)
