@@ -1,6 +1,8 @@
 # The two commands of the README. Each sets up its own virtual environment first.
 #   make train   the main job: the demo preset on the embedded defaults (stdlib corpus, SQLite MLflow, ephemeral Prefect)
 #   make test    ruff + the whole test suite (end-to-end tests included)
+#   make services / make services-down   PostgreSQL + Prefect server + MLflow server on free local ports
+#                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export
 PYTHON ?= python3.11
 VENV ?= .venv
 # CPU machines take PyTorch's CPU wheel; a CUDA machine (nvidia-smi present) takes the CUDA build.
@@ -9,11 +11,13 @@ TORCH_CONSTRAINT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constrai
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train tiny test lint bench clean
+.PHONY: install train tiny test lint bench clean services services-down
+SERVICES_DIR ?=
+SERVICES_ARGS = $(if $(SERVICES_DIR),--dir $(SERVICES_DIR))
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev,postgres]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +34,12 @@ lint: $(STAMP)
 
 test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
+
+services: $(STAMP)
+	$(VENV)/bin/python -m flows.services up $(SERVICES_ARGS)
+
+services-down: $(STAMP)
+	$(VENV)/bin/python -m flows.services down $(SERVICES_ARGS)
 
 clean:
 	rm -rf .llamaflow .pytest_cache

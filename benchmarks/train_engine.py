@@ -2,6 +2,13 @@
 accumulation 1 vs 8 at the same effective batch (compiled bf16).
 
     .venv/bin/python benchmarks/train_engine.py [--steps 12] [--batch 8] [--seq-len 256] [--threads N]
+    .venv/bin/python benchmarks/train_engine.py --vs-bare [--rounds 4]     # engine / bare compiled step
+
+`--vs-bare` alternates, round by round, the engine (compiled bf16, accumulation 1) and a bare compiled step of
+the same model on the same blocks: `LossHead` compiled, bf16 autocast, backward, `clip_grad_norm_`, fused
+AdamW, `loss.item()`, deterministic algorithms as the engine sets on CPU, no loader, no logging, no
+checkpoint. The engine's figure is its wall-clock tokens/s (everything included); the ratio of the medians
+over rounds is printed and written to benchmarks/results/train_engine_vs_bare.json.
 
 Every variant runs the real engine, `tasks.training.fit` (loader, exact accumulation, AdamW, clipping, a
 final checkpoint), on the main job's data (the stdlib corpus, tokenized and packed by the data stages). tokens/s is the steady state (the first step, which compiles, is
@@ -15,17 +22,22 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from model import count_params, get_preset
+from model import count_params, get_preset, load_pretrained
 from tasks.build import build_model
+from tasks.data.packed import open_blocks, read_meta
 from tasks.dataset import build_dataset
 from tasks.tokenize import train_tokenizer
 from tasks.training import TrainSettings, fit
+from tasks.training.loader import BlockLoader
+from tasks.training.loss import LossHead, count_targets
+from tasks.training.optim import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_engine.json"
 
@@ -42,6 +54,68 @@ def variants(batch: int) -> list[tuple[str, dict]]:
     ]
 
 
+def bare_step_tokens_per_s(model_ref, dataset_ref, batch: int, steps: int, settings: TrainSettings) -> float:
+    """Median tokens/s of a bare compiled training step of the engine's model on the engine's blocks."""
+    device = torch.device("cpu")
+    torch.use_deterministic_algorithms(True)
+    plain = load_pretrained(model_ref.path).train()
+    optimizer = build_optimizer(
+        plain, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas, eps=settings.eps,
+        device=device,
+    )  # fmt: skip
+    meta = read_meta(dataset_ref.path)
+    eos = meta["eos_id"] if settings.document_mask else None
+    step_fn = torch.compile(LossHead(plain, eos_id=eos), dynamic=False)
+    loader = BlockLoader(
+        open_blocks(dataset_ref.path, "train"), pad_id=meta["pad_id"], micro_batch_size=batch,
+        accumulate_steps=1, seed=settings.seed,
+    )  # fmt: skip
+    params = [p for p in plain.parameters() if p.requires_grad]
+    times = []
+    for i in range(steps + 1):
+        ((inputs, targets),) = loader.next_step().micro_batches
+        start = time.perf_counter()
+        n_tokens = count_targets([targets])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step_fn(inputs, targets)
+        (loss / n_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        if i:  # the first step compiles
+            times.append(n_tokens / (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def vs_bare(args: argparse.Namespace, model, dataset, work: Path) -> None:
+    settings = TrainSettings(
+        compile=True, dtype="bf16", micro_batch_size=args.batch, accumulate_steps=1, max_steps=args.steps,
+        lr=1e-3, warmup_steps=2, device="cpu", document_mask=args.document_mask,
+    )  # fmt: skip
+    engine, bare, loads = [], [], []
+    for r in range(args.rounds):
+        ref = fit(model, dataset, settings, work / f"engine_{r}", progress=False)
+        engine.append(ref.metrics["tokens_per_s"])
+        bare.append(bare_step_tokens_per_s(model, dataset, args.batch, args.steps, settings))
+        loads.append(round(os.getloadavg()[0], 2))
+        print(
+            f"round {r + 1}: engine {engine[-1]:,.0f} tokens/s, bare {bare[-1]:,.0f}, load {loads[-1]}",
+            flush=True,
+        )
+    ratio = statistics.median(engine) / statistics.median(bare)
+    result = {
+        "preset": "demo", "batch": args.batch, "seq_len": args.seq_len, "steps_per_round": args.steps,
+        "document_mask": args.document_mask, "engine_tokens_per_s": engine, "bare_tokens_per_s": bare,
+        "ratio_engine_over_bare": round(ratio, 3), "load_average_1min": loads, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or "cpu",
+    }  # fmt: skip
+    out = args.out.with_name("train_engine_vs_bare.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nengine / bare compiled step: {ratio:.3f} (medians over {args.rounds} rounds); written {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -53,6 +127,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--vs-bare", action="store_true", help="engine vs a bare compiled step, in rounds")
+    parser.add_argument("--rounds", type=int, default=4, help="--vs-bare: rounds")
+    parser.add_argument("--document-mask", action="store_true", help="--vs-bare: train with document_mask")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,6 +141,9 @@ def main() -> None:
     tokenizer = train_tokenizer(None, config.vocab_size)
     dataset = build_dataset(None, tokenizer, args.seq_len)
     model = build_model(config, seed=0)
+    if args.vs_bare:
+        vs_bare(args, model, dataset, work)
+        return
 
     rows = []
     for name, overrides in variants(args.batch):

@@ -62,6 +62,8 @@ VARIANTS: dict[str, tuple[str, bool, str]] = {
     "ours-compiled-bf16-loss-in-graph": ("ours", True, "bf16"),
     "hf-compiled-bf16-loss-in-graph": ("hf", True, "bf16"),
     "ours-compiled-fp32": ("ours", True, "fp32"),
+    # The attention lever: our model forced back onto SDPA (torch's CPU flash kernel), loss in the graph.
+    "ours-compiled-bf16-loss-in-graph-sdpa": ("ours", True, "bf16"),
 }
 DEFAULT_VARIANTS = [
     "ours-eager-fp32",
@@ -182,6 +184,8 @@ def build_variants(
         if impl == "ours":
             model: nn.Module = LlamaForPretraining(config)
             model.load_state_dict(reference_state)
+            if name.endswith("-sdpa"):
+                model.attention_backend = "sdpa"
         else:
             assert hf_template is not None and hf_state is not None
             model = type(hf_template)(hf_template.config)
@@ -196,7 +200,7 @@ def build_variants(
             **OPTIMIZER_IMPLEMENTATIONS[optimizer_impl],
         )
         runner, step = make_step(
-            model, optimizer, impl, dtype, device, compiled, name.endswith("loss-in-graph"), compile_kwargs
+            model, optimizer, impl, dtype, device, compiled, "loss-in-graph" in name, compile_kwargs
         )
         variants.append(Variant(name, impl, compiled, dtype, runner, optimizer, step))
     return variants
@@ -277,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--preset", default="demo", help="model preset (tiny, demo, small, 125m, 350m, 1b)")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--untied", action="store_true", help="an untied output head")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
@@ -330,7 +336,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch (torch.cuda.is_available() is False)")
     try:
-        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        overrides: dict[str, Any] = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        if args.layers:
+            overrides["num_hidden_layers"] = args.layers
+        if args.untied:
+            overrides["tie_word_embeddings"] = False
         args.config = get_preset(args.preset, **overrides)
     except ValueError as err:
         parser.error(str(err))
@@ -477,6 +487,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ours_compiled_bf16_over_hf_compiled_bf16": ratio("ours-compiled-bf16", "hf-compiled-bf16"),
             "ours_eager_bf16_over_hf_eager_bf16": ratio("ours-eager-bf16", "hf-eager-bf16"),
             "ours_compiled_bf16_over_ours_eager_fp32": ratio("ours-compiled-bf16", "ours-eager-fp32"),
+            "ours_loss_in_graph_over_hf_loss_in_graph": ratio(
+                "ours-compiled-bf16-loss-in-graph", "hf-compiled-bf16-loss-in-graph"
+            ),
+            "ours_loss_in_graph_over_hf_eager_bf16": ratio(
+                "ours-compiled-bf16-loss-in-graph", "hf-eager-bf16"
+            ),
+            "matmul_attention_over_sdpa": ratio(
+                "ours-compiled-bf16-loss-in-graph", "ours-compiled-bf16-loss-in-graph-sdpa"
+            ),
         },
         "rows": rows,
     }

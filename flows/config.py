@@ -8,6 +8,7 @@ overrides it. Validation happens here, before any task runs, so bad input costs 
 from __future__ import annotations
 
 import glob
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,9 +68,19 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class ConfigNote(UserWarning):
+    """A value the preset gave was adapted to what the user gave (the command line prints these)."""
+
+
 class PretrainConfig(TrainSettings):
     """Everything a pretraining run needs: the training options of `TrainSettings` and those of the other
-    stages. `preset` fills defaults; explicit values win."""
+    stages. `preset` fills defaults; explicit values win.
+
+    Two preset values give way to what the user gave: `epochs` given explicitly (without `max_steps`)
+    drops the preset's `max_steps`, so epochs set the run length; and the preset's `warmup_steps` is
+    clamped to `max_steps - 1` when the user's `max_steps` is shorter (a ConfigNote says so). A warmup
+    the user gave is never changed: one that does not fit is an error.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -131,7 +142,24 @@ class PretrainConfig(TrainSettings):
         preset = values.get("preset", "demo")
         if preset not in RUN_PRESETS:
             raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}")
-        return {**RUN_PRESETS[preset], **values}
+        merged = {**RUN_PRESETS[preset], **values}
+        if "epochs" in values and "max_steps" not in values:
+            merged["max_steps"] = None  # the epochs given set the run length, not the preset's max_steps
+        warmup, max_steps = merged.get("warmup_steps"), merged.get("max_steps")
+        preset_warmup_too_long = (
+            "warmup_steps" not in values
+            and isinstance(warmup, int)
+            and isinstance(max_steps, int)
+            and 1 <= max_steps <= warmup
+        )
+        if preset_warmup_too_long:
+            merged["warmup_steps"] = max_steps - 1
+            warnings.warn(
+                f"warmup_steps={warmup} of preset {preset!r} clamped to {max_steps - 1} for max_steps={max_steps}",
+                ConfigNote,
+                stacklevel=2,
+            )
+        return merged
 
     @model_validator(mode="after")
     def _check_consistency(self) -> PretrainConfig:
@@ -148,10 +176,15 @@ class PretrainConfig(TrainSettings):
                 f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
             )
         for source in (self.data, self.val_data):
-            local = (
-                source not in (None, "stdlib") and not source.startswith("hf:") and not glob.has_magic(source)
-            )
-            if local and not Path(source).expanduser().exists():
+            if source in (None, "stdlib") or source.startswith("hf:"):
+                continue
+            path = Path(source).expanduser()
+            if glob.has_magic(source) and not path.exists():
+                if not any(Path(p).is_file() for p in glob.iglob(str(path), recursive=True)):
+                    raise ValueError(
+                        f"data glob {source!r} matches no files: check the pattern and the working directory"
+                    )
+            elif not path.exists():
                 raise ValueError(
                     f"data path {source!r} does not exist: give an existing file, directory or glob, "
                     "'hf:NAME' for a Hugging Face dataset, or leave data unset for the stdlib corpus"
@@ -162,7 +195,8 @@ class PretrainConfig(TrainSettings):
                 raise ValueError(f"{name}={value!r} does not exist: give an existing path, or leave it unset")
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be smaller than max_steps={self.max_steps}"
+                f"warmup_steps={self.warmup_steps} must be smaller than max_steps={self.max_steps}: lower "
+                "warmup_steps or raise max_steps"
             )
         return self
 

@@ -1,15 +1,20 @@
 """Where the train task runs: in this flow run (default), or as a separate deployment on the GPU pool.
 
 `placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the
-`remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths on storage both
-machines read at the same path, the MLflow run id and the tracking URI without its credentials. Both sides must therefore share
-LLAMAFLOW_HOME (or `checkpoint_dir`) and the MLflow store; docs/production.md explains the set-up.
+`remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths relative
+to each side's LLAMAFLOW_HOME, the MLflow run id and the tracking URI without its credentials. With an MLflow server, the inputs and the
+final checkpoint travel as the run's artifacts when the two sides do not share a disk (flows/handoff.py);
+with a SQLite store they must share LLAMAFLOW_HOME. docs/production.md explains the set-up.
+
+The wait for the training run is bounded: when it has not ended in time, it is cancelled (so it frees its
+pool's slot) and this run fails.
 """
 
 from __future__ import annotations
 
+from flows import handoff
 from flows.config import PretrainConfig
-from flows.remote_train import read_result
+from flows.remote_train import FLOW_TIMEOUT_S, SharedStorageError, read_result
 from tasks import home
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.tracking.store import redact_uri
@@ -81,7 +86,7 @@ def deployment_parameters(
         "model": model,
         "dataset": dataset,
         "settings": settings,
-        "run_dir": run_dir,
+        "run_dir": home.portable(run_dir),  # under the home: the training worker's own
         "run_id": run_id,
         "tracking_uri": redact_uri(home.tracking_uri()),
         "retries": retries,
@@ -105,16 +110,55 @@ def train_on_deployment(
     from prefect.settings import PREFECT_API_URL
 
     parameters = deployment_parameters(model, dataset, settings, run_dir, run_id=run_id, retries=retries)
+    uri = home.tracking_uri()
+    handoff.mark_run_dir(run_dir)
+    if run_id is not None and handoff.through_server(uri):
+        handoff.publish_inputs(run_id, model, dataset, uri)
+    wait_s = timeout_s if timeout_s is not None else _time_left_s()
     # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
     try:
-        flow_run = run_deployment(deployment, parameters=parameters, timeout=timeout_s, as_subflow=True)
+        flow_run = run_deployment(deployment, parameters=parameters, timeout=wait_s, as_subflow=True)
     except ObjectNotFound as err:
         raise _missing(deployment, PREFECT_API_URL.value() or "(ephemeral)") from err
     state = flow_run.state
-    if state is None or not state.is_completed():
-        name = state.name if state is not None else "unknown"
+    if state is None or not state.is_final():
+        _cancel(flow_run.id)
         raise PlacementError(
-            f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) ended {name}: "
-            f"{state.message if state is not None else ''} (see that run's logs)"
+            f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) did not end within "
+            f"{wait_s:.0f} s ({state.name if state is not None else 'no state'}); it was cancelled so that it "
+            "frees its pool's slot. For longer runs raise LLAMAFLOW_FLOW_TIMEOUT_S on the workers"
         )
-    return read_result(run_dir, str(flow_run.id))
+    if not state.is_completed():
+        raise PlacementError(
+            f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
+            f"{state.message or ''} (see that run's logs)"
+        )
+    try:
+        return read_result(run_dir, str(flow_run.id))
+    except SharedStorageError:
+        handed = handoff.fetch_result(run_id, str(flow_run.id), uri) if run_id is not None else None
+        if handed is None:
+            raise
+        return handed
+
+
+def _time_left_s(margin_s: float = 600.0) -> float:
+    """How long this flow run may still wait: its own timeout minus what it used, minus time to evaluate."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    started = ctx.flow_run.start_time if ctx is not None and ctx.flow_run is not None else None
+    if started is None:
+        return FLOW_TIMEOUT_S
+    import datetime as dt
+
+    used = (dt.datetime.now(dt.UTC) - started).total_seconds()
+    return max(FLOW_TIMEOUT_S - used - margin_s, 60.0)
+
+
+def _cancel(flow_run_id: object) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling(message="the pretrain run stopped waiting for it"))

@@ -16,18 +16,20 @@ import sys
 import types
 import typing
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, ValidationError
 
-from flows.config import PretrainConfig
+from flows.config import ConfigNote, PretrainConfig
 from flows.placement import check_placement, train_where_placed
+from flows.remote_train import FLOW_TIMEOUT_S
 from tasks.build import build_model_task
 from tasks.dataset import build_dataset_task
 from tasks.evaluate import evaluate_task
-from tasks.home import apply_embedded_defaults, runs_dir
+from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
 from tasks.register import register_task
 from tasks.scoring import check_byte_level
@@ -58,7 +60,7 @@ def _run_identity(config: PretrainConfig) -> tuple[str, str]:
     return config.run_name or f"run-{key[:8]}", key
 
 
-@flow(name="pretrain", log_prints=True, validate_parameters=True)
+@flow(name="pretrain", log_prints=True, validate_parameters=True, timeout_seconds=FLOW_TIMEOUT_S)
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     apply_embedded_defaults()
@@ -198,6 +200,7 @@ def _print_summary(result: PretrainResult) -> None:
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
     lines.append(f"look next: {store.run_link(result.run_id)}")
+    lines.append(f"stored:    {describe_locations()}")
     lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{reg.name}@{reg.alias}')")
     lines.append("=" * 72)
     print("\n".join(lines))
@@ -207,11 +210,13 @@ def _print_summary(result: PretrainResult) -> None:
 
 
 def _cli_type(annotation: Any) -> tuple[Any, bool]:
-    """(argparse type, is_bool) for a field annotation such as `int | None` or `Literal[...]`."""
+    """(argparse type, is_bool) for a field annotation such as `int | None` or `Literal[...]`; an optional
+    field also takes `none` (`--max-steps none`)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _cli_type(args[0])
+        kind, is_bool = _cli_type(args[0])
+        return (kind if is_bool else _or_none(kind)), is_bool
     if origin is typing.Literal:
         return str, False
     if annotation is bool:
@@ -219,6 +224,14 @@ def _cli_type(annotation: Any) -> tuple[Any, bool]:
     if annotation in (int, float, str):
         return annotation, False
     return _json_value, False
+
+
+def _or_none(kind: Any) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its error messages
+    return parse
 
 
 def _json_value(text: str) -> Any:
@@ -252,28 +265,73 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str] | None = None) -> PretrainConfig:
-    args = vars(build_parser().parse_args(argv))
+    """The preset, then the YAML file, then the flags: each layer overrides the one before. A run length
+    (max_steps or epochs) given by a layer replaces the one of the layers before."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     config_file = args.pop("config", None)
     if config_file is not None:
         import yaml
 
         if not config_file.is_file():
-            raise SystemExit(f"--config {config_file}: no such file")
+            parser.error(f"--config {config_file}: no such file")
         values.update(yaml.safe_load(config_file.read_text()) or {})
+    if args.get("max_steps") is not None and "epochs" in args:
+        parser.error(
+            f"--max-steps {args['max_steps']} and --epochs {args['epochs']:g} both set the run length: give one "
+            f"(--max-steps none --epochs {args['epochs']:g} trains for epochs)"
+        )
+    if "epochs" in args and "max_steps" not in args:
+        values["max_steps"] = None
     values.update(args)
     return PretrainConfig(**values)
 
 
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that report a user's input (the message names the problem and the fix), not a failure."""
+    from flows.placement import PlacementError
+    from flows.remote_train import SharedStorageError
+    from tasks.data.common import DataError
+    from tasks.training import TrainingInputError
+
+    return (DataError, FileNotFoundError, PlacementError, SharedStorageError, TrainingInputError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 failed, 2 bad input, 130 stopped. A failure ends the output with its message
+    alone; its traceback is in Prefect's logs above it (and in the Prefect UI)."""
     apply_embedded_defaults()
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ConfigNote)
+        try:
+            config = config_from_args(argv)
+        except ValidationError as err:
+            print(f"invalid configuration:\n{err}", file=sys.stderr)
+            return 2
+    for note in notes:
+        if issubclass(note.category, ConfigNote):
+            print(f"note: {note.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     try:
-        config = config_from_args(argv)
-    except ValidationError as err:
-        print(f"invalid configuration:\n{err}", file=sys.stderr)
-        return 2
-    pretrain(config)
+        pretrain(config)
+    except (KeyboardInterrupt, TrainingInterrupted) as err:
+        _end_quietly(f"stopped: {err or 'interrupted'}")
+        return 130
+    except Exception as err:
+        _end_quietly(f"error: {err}")
+        return 2 if isinstance(err, _bad_input_errors()) else 1
     return 0
+
+
+def _end_quietly(message: str) -> None:
+    """Print `message` as the last line: Prefect's shutdown chatter (stopping its temporary server at exit)
+    is not logged after it."""
+    import logging
+
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+    print(f"\n{message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

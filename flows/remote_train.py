@@ -1,9 +1,9 @@
 """The `remote-train` flow: training alone, deployed on the GPU pool for split placement.
 
 The `pretrain` flow (with `placement="deployment"`) prepares data where it runs, then starts this flow
-through `run_deployment`, passing only references (paths on storage both sides can read) and the
-MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory, so the
-parent needs no shared Prefect result storage.
+through `run_deployment`, passing only references (paths relative to each side's LLAMAFLOW_HOME) and the
+MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory when both sides
+share it, else through the MLflow run's artifacts (flows/handoff.py); no Prefect result storage is needed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from flows import handoff
 from model.atomic import write_text_atomic
 from tasks import home
 from tasks.home import apply_embedded_defaults
@@ -26,6 +27,11 @@ from tasks.train import train_task
 from tasks.training import TrainSettings
 
 RESULT_FILE = "remote_train_result.json"
+# A flow run that has not ended after this long fails (Prefect's flow timeout), so a hung run cannot hold
+# its pool's concurrency slot forever: the nightly's limit of 1 would otherwise skip every later night.
+# A day by default; set LLAMAFLOW_FLOW_TIMEOUT_S in the worker's environment (or a deployment's `env` job
+# variable) for longer runs. Read when the flow module is imported, i.e. in each flow-run process.
+FLOW_TIMEOUT_S = float(os.environ.get("LLAMAFLOW_FLOW_TIMEOUT_S") or 24 * 3600)
 
 
 class SharedStorageError(RuntimeError):
@@ -87,16 +93,16 @@ def _tracking_uri(uri: str | None) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = previous
 
 
-def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, tracking_uri: str | None) -> None:
-    """Fail in seconds, before any compile, when this machine cannot see the parent's inputs."""
-    missing = [p for p in (Path(model.path), Path(dataset.path)) if not p.exists()]
-    if missing:
-        raise SharedStorageError(
-            f"{', '.join(map(str, missing))} not found on this worker: the pretrain flow and the train "
-            "deployment must share storage at the same path (set LLAMAFLOW_HOME to a shared mount on both)"
-        )
+def _check_inputs(
+    model: ModelRef, dataset: DatasetRef, run_id: str | None, tracking_uri: str | None
+) -> list[str]:
+    """Fail in seconds, before any compile, when this machine cannot get the parent's inputs.
+
+    Inputs missing here are fetched from the MLflow run's artifacts when the store is a server (the
+    pretrain flow handed them off there); returns what was fetched.
+    """
+    tracking_uri = tracking_uri or home.tracking_uri()
     if run_id is not None:
-        tracking_uri = tracking_uri or home.tracking_uri()
         try:
             store.run_status(run_id, tracking_uri)
         except Exception as err:  # MLflow raises its own exception types per store
@@ -105,9 +111,19 @@ def _check_inputs(model: ModelRef, dataset: DatasetRef, run_id: str | None, trac
                 "must reach the pretrain flow's store (an MLflow server both can reach; MLFLOW_TRACKING_URI): "
                 f"{store.redact_error(err, tracking_uri)}"
             ) from err
+    missing = [p for p in (Path(model.path), Path(dataset.path)) if not p.exists()]
+    if not missing:
+        return []
+    if run_id is not None and handoff.through_server(tracking_uri):
+        return handoff.fetch_inputs(run_id, model, dataset, tracking_uri)
+    raise SharedStorageError(
+        f"{', '.join(map(str, missing))} not found on this worker: without an MLflow tracking server to hand "
+        "them over, the pretrain flow and the train deployment must share storage (LLAMAFLOW_HOME on a "
+        "shared mount on both)"
+    )
 
 
-@flow(name="remote-train", log_prints=True, validate_parameters=True)
+@flow(name="remote-train", log_prints=True, validate_parameters=True, timeout_seconds=FLOW_TIMEOUT_S)
 def remote_train(
     model: ModelRef,
     dataset: DatasetRef,
@@ -117,11 +133,14 @@ def remote_train(
     tracking_uri: str | None = None,
     retries: int = 1,
 ) -> CheckpointRef:
-    """Train `model` on `dataset` in `run_dir` (a directory both flows can read); retries resume from the
-    newest checkpoint there."""
+    """Train `model` on `dataset` in `run_dir` (under `$LLAMAFLOW_HOME`: this worker's home); retries resume
+    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py)."""
     apply_embedded_defaults()
     tracking_uri = resolve_tracking_uri(tracking_uri)
-    _check_inputs(model, dataset, run_id, tracking_uri)
+    run_dir = home.local(run_dir)  # `$LLAMAFLOW_HOME/runs/...`: in this worker's home
+    fetched = _check_inputs(model, dataset, run_id, tracking_uri)
+    if fetched:
+        get_run_logger().info(f"fetched {' and '.join(fetched)} from MLflow run {run_id} (no shared disk)")
     with _tracking_uri(tracking_uri):
         checkpoint = train_task.with_options(retries=retries)(
             model, dataset, settings, run_dir, run_id=run_id
@@ -129,5 +148,8 @@ def remote_train(
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     where = write_result(checkpoint, run_dir, flow_run_id)
+    uri = tracking_uri or home.tracking_uri()
+    if run_id is not None and handoff.through_server(uri) and not handoff.parent_sees(run_dir):
+        handoff.publish_result(run_id, checkpoint, flow_run_id, uri)  # the pretrain flow cannot see this disk
     get_run_logger().info(f"checkpoint of step {checkpoint.step} at {checkpoint.path}; reference in {where}")
     return checkpoint

@@ -2,10 +2,16 @@
 
 A reader sees the old version or the new one, never half of one, and a writer killed at any moment leaves
 at most a hidden `.NAME.tmp-*` entry behind (`remove_stale` clears them).
+
+Replacing a directory swaps the two in one `renameat2(RENAME_EXCHANGE)` on Linux. Where that is missing
+(another OS, a file system without it) the old directory is first renamed aside to `.NAME.old-*`: a writer
+killed before the new one is in place leaves it there, and `remove_stale` puts it back.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import uuid
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _TMP_INFIX = ".tmp-"
+_ASIDE_INFIX = ".old-"
+_RENAME_EXCHANGE = 2  # linux/fs.h
 
 
 def staging_path(final: str | os.PathLike[str]) -> Path:
@@ -77,10 +85,12 @@ def atomic_dir(
 
 def _publish(staging: Path, final: Path, *, replace: bool) -> bool:
     if final.exists() and replace:
-        old = staging_path(final)
-        os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
+        if not _exchange(staging, final):
+            aside = final.parent / f".{final.name}{_ASIDE_INFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            os.rename(staging, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        # After an exchange `staging` holds the old directory; the caller removes it.
         return True
     try:
         os.rename(staging, final)
@@ -91,14 +101,36 @@ def _publish(staging: Path, final: Path, *, replace: bool) -> bool:
     return True
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2); False where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100  # AT_FDCWD: paths are taken as given
+    result = renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, f"cannot exchange {a} and {b}: {os.strerror(error)}")
+
+
 def remove_stale(parent: str | os.PathLike[str], name: str = "*") -> list[Path]:
-    """Delete the `.NAME.tmp-*` entries that killed writers left in `parent`; returns what was removed.
+    """Delete the `.NAME.tmp-*` entries that killed writers left in `parent`, and put back a `.NAME.old-*`
+    directory a killed replace moved aside (removed instead if NAME is there again); returns what was removed.
 
     Only for directories that one writer at a time works in (a run directory, a cache slot under a lock):
     a live writer's entry looks the same.
     """
+    parent = Path(parent)
+    for aside in parent.glob(f".{name}{_ASIDE_INFIX}*"):
+        original = parent / aside.name[1:].rsplit(_ASIDE_INFIX, 1)[0]
+        if not original.exists():
+            os.rename(aside, original)
     removed = []
-    for path in Path(parent).glob(f".{name}{_TMP_INFIX}*"):
+    for path in [*parent.glob(f".{name}{_TMP_INFIX}*"), *parent.glob(f".{name}{_ASIDE_INFIX}*")]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

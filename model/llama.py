@@ -1,9 +1,11 @@
 """Llama decoder in plain PyTorch: RMSNorm, rotary embeddings (rotate-half, as in Hugging Face),
-grouped-query attention through `F.scaled_dot_product_attention`, SwiGLU MLP.
+grouped-query attention (`model/attention.py`), SwiGLU MLP.
 
 Speed choices: the q/k/v projections are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`);
-`model/hf.py` splits and joins them for Hugging Face interchange. Without an attention mask the causal
-fast path (`is_causal=True`) is used and no mask tensor is built. Nothing in `forward` syncs with the host.
+`model/hf.py` splits and joins them for Hugging Face interchange. A whole causal sequence (training,
+scoring) attends through the fastest kernel for its device (`attention_backend="auto"`: matmul attention on
+CPU, SDPA's causal flash kernel on CUDA); padding masks and KV caches go through SDPA. Optional document
+masking keeps attention inside each packed document. Nothing in `forward` syncs with the host.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import AttentionBackend, AttentionPlan, attend, make_plan
 from model.config import LlamaConfig, rope_inverse_frequencies
 from model.kv_cache import KVCache
 
@@ -56,8 +59,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        is_causal: bool,
+        plan: AttentionPlan,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -69,18 +71,7 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        # Each key/value head serves `groups` consecutive query heads (the layout of HF's repeat_kv).
-        # SDPA's native GQA skips copying k/v (~30% faster attention fwd+bwd on CPU), but on CUDA only
-        # the flash kernel has it (no mask, half precision); elsewhere it would fall back to the O(T²) math path.
-        native_gqa = self.groups > 1 and (
-            q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
-        )
-        if self.groups > 1 and not native_gqa:
-            k = k.repeat_interleave(self.groups, dim=1)
-            v = v.repeat_interleave(self.groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=native_gqa
-        )
+        out = attend(q, k, v, plan)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -108,11 +99,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        is_causal: bool,
+        plan: AttentionPlan,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,6 +122,9 @@ class LlamaForPretraining(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        # Kernel for whole causal sequences: "auto" (matmul attention on CPU up to MATMUL_MAX_SEQ tokens,
+        # else SDPA), or "sdpa" / "matmul" to force one. Not part of the config: the math is the same.
+        self.attention_backend: AttentionBackend = "auto"
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -177,13 +170,32 @@ class LlamaForPretraining(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab), in the autocast dtype when autocast is on.
+        """Logits of shape (batch, seq, vocab): the head applied to `hidden_states` (same arguments)."""
+        return self.lm_head(
+            self.hidden_states(
+                input_ids, attn_mask, position_ids=position_ids, kv_cache=kv_cache, document_ids=document_ids
+            )
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states (batch, seq, hidden) that the head turns into logits.
 
         attn_mask: optional (batch, past + seq) with 1/True for real tokens and 0/False for padding (past is
         the length already in `kv_cache`). With a mask, positions count real tokens only (left padding works)
-        and padded positions get all-zero logits. Without a mask, no mask tensor is built (causal fast path).
+        and padded positions get all-zero states (so all-zero logits). Without a mask, no mask tensor is built.
         position_ids: optional (batch, seq) explicit positions. kv_cache: a `KVCache` for incremental decoding.
+        document_ids: optional (batch, seq) integers (`model.attention.document_ids_from_eos` for packed
+        blocks): a position attends only to positions of the same document. Not with attn_mask or kv_cache.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -196,6 +208,15 @@ class LlamaForPretraining(nn.Module):
                 f"{self.config.max_position_embeddings}; shorten the input or raise max_position_embeddings"
             )
 
+        if document_ids is not None and (attn_mask is not None or kv_cache is not None):
+            raise ValueError(
+                "document_ids masks whole packed sequences; it cannot be combined with attn_mask or kv_cache "
+                "(pad or decode without document_ids)"
+            )
+        if document_ids is not None and document_ids.shape != (batch, seq):
+            raise ValueError(
+                f"document_ids must have the shape of input_ids {(batch, seq)}, got {tuple(document_ids.shape)}"
+            )
         mask, is_causal = None, False
         if attn_mask is not None:
             if attn_mask.shape != (batch, total):
@@ -211,6 +232,10 @@ class LlamaForPretraining(nn.Module):
             is_causal = True
         elif seq > 1:
             mask = _padding_causal_mask(None, past, seq, device=input_ids.device)
+        if is_causal:
+            plan = make_plan(self.attention_backend, input_ids.device, seq, document_ids)
+        else:
+            plan = AttentionPlan("sdpa", mask=mask)
 
         if position_ids is None:
             cos = self.rope_cos[past:total].view(1, seq, 1, -1)
@@ -221,13 +246,13 @@ class LlamaForPretraining(nn.Module):
 
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, is_causal, kv_cache)
+            h = layer(h, cos, sin, plan, kv_cache)
         h = self.model.norm(h)
         if attn_mask is not None:
             h = h * attn_mask[:, past:, None].to(h.dtype)
         if kv_cache is not None:
             kv_cache.advance(seq)
-        return self.lm_head(h)
+        return h
 
 
 def _padding_causal_mask(

@@ -29,7 +29,7 @@ from prefect.context import TaskRunContext
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data.cache import is_complete, prefect_cache_key
+from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.common import data_logger
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta, write_split
@@ -245,25 +245,27 @@ def build_dataset(
         return load_dataset_ref(directory)
     _early_checks(corpus, seq_len, add_bos)
 
-    started = time.perf_counter()
-    dtype = token_dtype(tokenizer.vocab_size)
-    with atomic_dir(directory) as staged:
-        meta = _build_into(
-            staged.path,
-            corpus,
-            tokenizer,
-            seq_len,
-            keep_remainder=keep_remainder,
-            add_bos=add_bos,
-            dtype=dtype,
-            num_proc=workers,
-        )
-        meta["fingerprint"] = fingerprint
-        meta["stats"]["seconds"] = round(time.perf_counter() - started, 3)
-        shutil.copyfile(tokenizer.path, staged.path / "tokenizer.json")
-        write_meta(staged.path, meta)
-    if not staged.published:
-        data_logger().info(f"dataset {fingerprint}: another process published it first; using theirs")
+    with build_lock(directory):
+        if is_complete(directory):
+            data_logger().info(f"dataset {fingerprint}: built by another run while this one waited")
+            return load_dataset_ref(directory)
+        started = time.perf_counter()
+        dtype = token_dtype(tokenizer.vocab_size)
+        with atomic_dir(directory) as staged:
+            meta = _build_into(
+                staged.path,
+                corpus,
+                tokenizer,
+                seq_len,
+                keep_remainder=keep_remainder,
+                add_bos=add_bos,
+                dtype=dtype,
+                num_proc=workers,
+            )
+            meta["fingerprint"] = fingerprint
+            meta["stats"]["seconds"] = round(time.perf_counter() - started, 3)
+            shutil.copyfile(tokenizer.path, staged.path / "tokenizer.json")
+            write_meta(staged.path, meta)
     ref = load_dataset_ref(directory)
     data_logger().info(
         f"dataset {fingerprint}: {ref.stats['documents']} documents, {ref.stats['tokens']:,} tokens, "

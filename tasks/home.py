@@ -1,26 +1,39 @@
-"""Where llamaflow keeps things (project-local defaults that need no server), and the embedded defaults
-that the entry points apply.
+"""Where llamaflow keeps things (defaults that need no server), and the embedded defaults that the entry
+points apply.
 
-Every path is absolute, because Prefect workers and torchrun ranks may run in other directories. Paths
-are read from the environment each time they are asked for, never fixed at import.
+Two locations, each from the environment or else from the working directory of the entry point:
+  LLAMAFLOW_HOME     caches and run directories       default `./.llamaflow`
+  LLAMAFLOW_MLRUNS   the embedded MLflow store         default `./mlruns` (unless MLFLOW_TRACKING_URI is set)
+Never relative to the installed package: with `pip install .` that would be inside site-packages, and on a
+Prefect worker inside a throwaway clone. `apply_embedded_defaults()` pins both to absolute paths in the
+environment, so a later `chdir` and child processes (torchrun ranks) keep the same ones.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
 
+# Where the code is (the directory holding the `tasks` package; site-packages after `pip install .`):
+# for the imports of child processes only, never for data.
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+HOME_ENV = "LLAMAFLOW_HOME"
+MLRUNS_ENV = "LLAMAFLOW_MLRUNS"
+# How a path under the home is written into refs that leave the process (Prefect cache records,
+# deployment parameters, result files): resolved again against the reader's own home.
+HOME_MARK = "$LLAMAFLOW_HOME"
+_DEFAULTED: set[str] = set()  # locations this process took from the working directory
 
 
 def home() -> Path:
-    """Root of caches and run directories (`LLAMAFLOW_HOME`, default `<project>/.llamaflow`)."""
-    return Path(os.environ.get("LLAMAFLOW_HOME", PROJECT_ROOT / ".llamaflow")).resolve()
+    """Root of caches and run directories (`LLAMAFLOW_HOME`, default `./.llamaflow`)."""
+    return Path(os.environ.get(HOME_ENV) or ".llamaflow").expanduser().resolve()
 
 
 def cache_dir() -> Path:
-    """Content-addressed caches (tokenizers, packed datasets), shared safely between runs."""
+    """Content-addressed caches (tokenizers, packed datasets, initial weights), shared safely between runs."""
     return home() / "cache"
 
 
@@ -30,7 +43,7 @@ def runs_dir() -> Path:
 
 
 def mlruns_dir() -> Path:
-    return Path(os.environ.get("LLAMAFLOW_MLRUNS", PROJECT_ROOT / "mlruns")).resolve()
+    return Path(os.environ.get(MLRUNS_ENV) or "mlruns").expanduser().resolve()
 
 
 def tracking_uri() -> str:
@@ -46,6 +59,41 @@ def artifact_root() -> str:
     return (mlruns_dir() / "artifacts").as_uri()
 
 
+def portable(path: str | os.PathLike[str]) -> str:
+    """`path` as stored in a ref that leaves this process: `$LLAMAFLOW_HOME/...` when it is under the home."""
+    text = os.fspath(path)
+    if text.startswith(HOME_MARK):
+        return text
+    root = home()
+    candidate = Path(text)
+    if candidate.is_absolute() and candidate.is_relative_to(root):
+        relative = candidate.relative_to(root).as_posix()
+        return HOME_MARK if relative == "." else f"{HOME_MARK}/{relative}"
+    return text
+
+
+def local(path: str | os.PathLike[str]) -> str:
+    """A stored path made absolute on this machine: `$LLAMAFLOW_HOME/...` resolves against this home."""
+    text = os.fspath(path)
+    if text == HOME_MARK:
+        return str(home())
+    if text.startswith(HOME_MARK + "/"):
+        return str(home() / text[len(HOME_MARK) + 1 :])
+    return text
+
+
+def describe_locations() -> str:
+    """One sentence for the run summary: where this run's caches, checkpoints and MLflow store are, and why."""
+    parts = [f"caches and checkpoints in {home()} ({_origin(HOME_ENV)})"]
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        parts.append(f"MLflow store in {mlruns_dir()} ({_origin(MLRUNS_ENV)})")
+    return "; ".join(parts)
+
+
+def _origin(env: str) -> str:
+    return f"the working directory; set {env} to move it" if env in _DEFAULTED else f"{env}"
+
+
 def apply_embedded_defaults() -> None:
     """Quiet, robust defaults for a run; a value the user exported always wins.
 
@@ -53,6 +101,17 @@ def apply_embedded_defaults() -> None:
     Prefect's own defaults for the embedded server are in pyproject.toml (`[tool.prefect]`): Prefect
     reads its settings when it is imported, so they cannot be set from here.
     """
+    for env, path in ((HOME_ENV, home()), (MLRUNS_ENV, mlruns_dir())):
+        if not os.environ.get(env):
+            os.environ[env] = str(path)  # pinned: a later chdir or a child process sees the same place
+            _DEFAULTED.add(env)
+    if HOME_ENV in _DEFAULTED and os.environ.get("PREFECT__FLOW_RUN_ID"):
+        # A Prefect worker starts each flow run in a temporary directory that it deletes afterwards.
+        logging.getLogger("llamaflow").warning(
+            f"{HOME_ENV} is not set on this worker: caches and checkpoints go to {home()}, inside the "
+            f"flow run's working directory, and are lost when the run ends; set {HOME_ENV} (and "
+            "MLFLOW_TRACKING_URI) in the worker's environment or the pool's `env` job variable"
+        )
     defaults = {
         "TOKENIZERS_PARALLELISM": "false",
         # Per-file download bars of MLflow's local artifact copies say nothing a user needs.

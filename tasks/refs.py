@@ -1,11 +1,23 @@
 """Small typed references that travel between tasks: paths plus content fingerprints.
 
 Nothing large crosses a Prefect task boundary, so caching and retries stay cheap.
+
+A path under the llamaflow home is absolute in memory, but written as `$LLAMAFLOW_HOME/...` whenever a ref
+is serialized (a Prefect cache record, a deployment parameter, a result file) and resolved against the
+reader's own home when it is read back. A cached ref therefore stays valid after the home moves, and a ref
+handed to a worker on another machine names the place in that worker's home.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+from tasks.home import local, portable
+
+# A location: absolute on this machine once validated, home-relative once serialized.
+HomePath = Annotated[str, BeforeValidator(local), PlainSerializer(portable, return_type=str)]
 
 
 class _Ref(BaseModel):
@@ -13,7 +25,7 @@ class _Ref(BaseModel):
 
 
 class TokenizerRef(_Ref):
-    path: str = Field(description="Absolute path of tokenizer.json")
+    path: HomePath = Field(description="Path of tokenizer.json")
     fingerprint: str
     vocab_size: int
     bos_id: int
@@ -22,7 +34,7 @@ class TokenizerRef(_Ref):
 
 
 class DatasetRef(_Ref):
-    path: str = Field(description="Directory holding train.npy, val.npy, meta.json, tokenizer.json")
+    path: HomePath = Field(description="Directory holding train.npy, val.npy, meta.json, tokenizer.json")
     fingerprint: str
     seq_len: int
     vocab_size: int
@@ -34,19 +46,24 @@ class DatasetRef(_Ref):
 
 
 class ModelRef(_Ref):
-    path: str = Field(description="Directory holding config.json and model.safetensors (initial weights)")
+    path: HomePath = Field(
+        description="Directory holding config.json and model.safetensors (initial weights)"
+    )
     fingerprint: str
     n_params: int
 
 
 class CheckpointRef(_Ref):
-    path: str = Field(
+    path: HomePath = Field(
         description="Directory of the final checkpoint (model.safetensors + config.json inside)"
     )
-    run_dir: str
+    run_dir: HomePath
     step: int
     tokens_seen: int
     metrics: dict[str, float] = Field(default_factory=dict)
+    run_length: str = Field(
+        "", description="How many optimizer steps, and whether max_steps or epochs set it"
+    )
 
 
 class EvalResult(_Ref):

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data.cache import is_complete, prefect_cache_key
+from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.common import data_logger
 from tasks.data.corpus import DataError, DataSpec, blake, resolve_corpus
 from tasks.refs import TokenizerRef
@@ -109,35 +109,39 @@ def train_tokenizer(
         data_logger().info(f"tokenizer {fingerprint}: cached at {directory}")
         return load_tokenizer_ref(directory)
 
-    started = time.perf_counter()
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus.train.texts(), trainer=trainer)
-    ids = {
-        "bos_id": tokenizer.token_to_id(BOS),
-        "eos_id": tokenizer.token_to_id(EOS),
-        "pad_id": tokenizer.token_to_id(PAD),
-    }
-    assert ids == {"bos_id": 0, "eos_id": 1, "pad_id": 2}, ids
-    stats = {
-        "seconds": round(time.perf_counter() - started, 3),
-        "corpus": corpus.train.description,
-        "train_fingerprint": corpus.train.fingerprint,
-        "requested_vocab_size": vocab_size,
-    }
-    _write(directory, tokenizer, fingerprint, ids, stats)
-    data_logger().info(
-        f"tokenizer {fingerprint}: trained vocab {vocab_size} on {corpus.train.description} "
-        f"in {stats['seconds']:.1f} s"
-    )
+    with build_lock(directory):
+        if is_complete(directory):
+            data_logger().info(f"tokenizer {fingerprint}: trained by another run while this one waited")
+            return load_tokenizer_ref(directory)
+        started = time.perf_counter()
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(corpus.train.texts(), trainer=trainer)
+        ids = {
+            "bos_id": tokenizer.token_to_id(BOS),
+            "eos_id": tokenizer.token_to_id(EOS),
+            "pad_id": tokenizer.token_to_id(PAD),
+        }
+        assert ids == {"bos_id": 0, "eos_id": 1, "pad_id": 2}, ids
+        stats = {
+            "seconds": round(time.perf_counter() - started, 3),
+            "corpus": corpus.train.description,
+            "train_fingerprint": corpus.train.fingerprint,
+            "requested_vocab_size": vocab_size,
+        }
+        _write(directory, tokenizer, fingerprint, ids, stats)
+        data_logger().info(
+            f"tokenizer {fingerprint}: trained vocab {vocab_size} on {corpus.train.description} "
+            f"in {stats['seconds']:.1f} s"
+        )
     return load_tokenizer_ref(directory)
 
 
@@ -174,7 +178,9 @@ def import_tokenizer(path: str | Path) -> TokenizerRef:
     fingerprint = blake(ALGORITHM_VERSION, "imported", raw)
     directory = tokenizers_dir() / fingerprint
     if not is_complete(directory):
-        _write(directory, tokenizer, fingerprint, ids, {"imported_from": str(source)})
+        with build_lock(directory):
+            if not is_complete(directory):
+                _write(directory, tokenizer, fingerprint, ids, {"imported_from": str(source)})
     return load_tokenizer_ref(directory)
 
 

@@ -1,18 +1,14 @@
 """A real Prefect server and process worker for end-to-end tests, started and stopped cleanly.
 
 Prefect 3.9's process worker starts every flow run in its own session, so killing the worker's
-process group leaves the flow runs alive. `stop_process_tree` therefore collects every descendant
-first, then ends each one's process group, then the root's.
+process group leaves the flow runs alive: `stop_process_tree` stops every descendant too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,46 +18,16 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from uuid import UUID
 
-import psutil
+from flows.processes import free_port, stop_tree
 
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(os.getpgid(pid), sig)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
 def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM `proc`, its descendants and their process groups; SIGKILL whatever is left after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    pids = [*descendants(proc.pid), proc.pid]
-    for pid in pids:
-        _signal_group(pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    deadline = time.monotonic() + 2.0
-    for pid in pids:
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-            time.sleep(0.1)
-        _signal_group(pid, signal.SIGKILL)
+    """Stop `proc` and every process it started (flows.processes.stop_tree), then reap it."""
+    if proc.poll() is None:
+        stop_tree(proc.pid, grace_s)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
 

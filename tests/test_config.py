@@ -41,6 +41,7 @@ NON_DEFAULT_FLAGS = {
     "seed": ["--seed", "42"],
     "compile": ["--no-compile"],
     "dtype": ["--dtype", "fp32"],
+    "document_mask": ["--document-mask"],
     "device": ["--device", "cpu"],
     "nproc_per_node": ["--nproc-per-node", "2"],
     "checkpoint_every": ["--checkpoint-every", "11"],
@@ -58,12 +59,15 @@ def test_every_training_option_goes_from_the_command_line_to_the_engine_unchange
     assert set(NON_DEFAULT_FLAGS) == set(TrainSettings.model_fields), (
         "give every training option a value here"
     )
-    config = config_from_args(["--preset", "tiny", *sum(NON_DEFAULT_FLAGS.values(), [])])
-    settings = config.train_settings()
-    assert type(settings) is TrainSettings
     defaults = TrainSettings()
-    for name in TrainSettings.model_fields:
-        assert getattr(settings, name) == getattr(config, name) != getattr(defaults, name), name
+    # max_steps and epochs are two ways to give the run length: the command line takes one at a time.
+    for left_out in ("epochs", "max_steps"):
+        flags = sum((flag for name, flag in NON_DEFAULT_FLAGS.items() if name != left_out), [])
+        config = config_from_args(["--preset", "tiny", *flags])
+        settings = config.train_settings()
+        assert type(settings) is TrainSettings
+        for name in set(TrainSettings.model_fields) - {left_out}:
+            assert getattr(settings, name) == getattr(config, name) != getattr(defaults, name), name
     # What a train deployment's parameter and a torchrun worker receive: the same object, through JSON.
     spec = WorkerSpec(
         model_ref=ModelRef(path="m", fingerprint="f", n_params=1),
@@ -94,6 +98,8 @@ def test_every_training_option_goes_from_the_command_line_to_the_engine_unchange
         ({"preset": "huge"}, "unknown preset"),
         ({"init_checkpoint": "/no/such/ckpt"}, "does not exist"),
         ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
+        ({"warmup_steps": 40}, "warmup_steps=40 must be smaller than max_steps=30"),  # the preset's max_steps
+        ({"data": "/no/such/dir/*.txt"}, "matches no files"),
         ({"micro_batch_size": 0}, "micro_batch_size"),
         ({"num_samples": 7}, "num_samples"),
         ({"no_such_field": 1}, "no_such_field"),
@@ -138,3 +144,90 @@ def test_cli_rejects_bad_input_before_starting_prefect() -> None:
     assert proc.returncode == 2
     assert "accumulate_steps" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- run length and warmup (issue 12, items 8 and 9)
+
+
+def revalidated(config: PretrainConfig) -> PretrainConfig:
+    """What a deployment's flow run gets: the config through JSON, every field now given explicitly."""
+    return PretrainConfig.model_validate_json(config.model_dump_json())
+
+
+def test_epochs_given_explicitly_set_the_run_length_instead_of_the_presets_max_steps(tmp_path: Path) -> None:
+    assert RUN_PRESETS["tiny"]["max_steps"] is not None
+    by_epochs = config_from_args(["--preset", "tiny", "--epochs", "2"])
+    assert (by_epochs.max_steps, by_epochs.epochs) == (None, 2.0)
+    none = config_from_args(["--preset", "tiny", "--max-steps", "none", "--epochs", "3"])
+    assert (none.max_steps, none.epochs) == (None, 3.0)
+    assert config_from_args(["--preset", "tiny", "--max-steps", "none"]).max_steps is None
+    api = PretrainConfig(preset="demo", epochs=0.5)
+    assert (api.max_steps, api.epochs) == (None, 0.5)
+    # A run length on the command line replaces the one in the YAML file.
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("preset: tiny\nmax_steps: 7\n")
+    assert config_from_args(["--config", str(config_file), "--epochs", "2"]).max_steps is None
+    assert config_from_args(["--config", str(config_file)]).max_steps == 7
+    for config in (by_epochs, none, api):
+        assert revalidated(config) == config
+    # The preset's max_steps stays when no epochs are given; a revalidated config keeps what it had.
+    tiny = PretrainConfig(preset="tiny")
+    assert tiny.max_steps == RUN_PRESETS["tiny"]["max_steps"] and revalidated(tiny) == tiny
+
+
+def test_both_run_lengths_on_the_command_line_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--preset", "tiny", "--max-steps", "50", "--epochs", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-steps" in err and "--epochs" in err and "--max-steps none" in err
+
+
+@pytest.mark.parametrize("preset", ["tiny", "demo"])
+@pytest.mark.parametrize("max_steps", [1, 2, 3, 4, 5])
+def test_a_presets_warmup_is_clamped_to_a_short_run(preset: str, max_steps: int) -> None:
+    from flows.config import ConfigNote
+
+    with pytest.warns(ConfigNote, match=rf"warmup_steps={RUN_PRESETS[preset]['warmup_steps']} of preset"):
+        config = PretrainConfig(preset=preset, max_steps=max_steps)
+    assert config.warmup_steps == max_steps - 1
+    assert revalidated(config) == config
+    with pytest.warns(ConfigNote):
+        cli = config_from_args(["--preset", preset, "--max-steps", str(max_steps)])
+    assert (cli.max_steps, cli.warmup_steps) == (max_steps, max_steps - 1)
+
+
+def test_a_warmup_the_user_gave_is_never_changed() -> None:
+    with pytest.raises(ValidationError, match="warmup_steps=3 must be smaller than max_steps=3"):
+        PretrainConfig(preset="tiny", max_steps=3, warmup_steps=3)
+    with pytest.raises(ValidationError, match="warmup_steps"):
+        config_from_args(["--preset", "tiny", "--max-steps", "3", "--warmup-steps", "3"])
+    assert PretrainConfig(preset="tiny", max_steps=3, warmup_steps=2).warmup_steps == 2
+    # A preset warmup that fits the run is kept as it is.
+    assert PretrainConfig(preset="tiny", max_steps=6).warmup_steps == RUN_PRESETS["tiny"]["warmup_steps"]
+
+
+def test_a_user_error_inside_a_task_ends_the_output_alone_with_exit_code_2(tmp_path: Path) -> None:
+    """A bad input found by a task (here a data directory without text files): Prefect logs its traceback,
+    and the command line ends with the one line that matters, without Python's traceback after it."""
+    import re
+
+    empty = tmp_path / "corpus"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.pretrain", "--preset", "tiny", "--data", str(empty)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1] == (
+        f"error: Directory {empty} holds no files with a known extension ('.txt', '.md', '.py', '.jsonl', "
+        "'.json', '.parquet'); point data at text files."
+    ), proc.stderr[-3000:]
+    log_line = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| ")
+    last_log = max(i for i, line in enumerate(lines) if log_line.match(line))
+    assert lines[last_log + 1 :] == lines[-1:], "only the message may follow Prefect's logs"
+    assert "Traceback" in proc.stderr  # still in Prefect's logs

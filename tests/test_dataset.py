@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from tasks.data.corpus import DataError, resolve_corpus
 from tasks.data.packed import token_dtype
-from tasks.dataset import build_dataset, build_dataset_task
+from tasks.dataset import build_dataset, build_dataset_task, dataset_fingerprint
 from tasks.home import PROJECT_ROOT
 from tasks.refs import DatasetRef, TokenizerRef
 from tasks.tokenize import train_tokenizer, train_tokenizer_task
@@ -189,24 +189,43 @@ def test_jsonl_records_pack_with_eos_between_documents(
 
 
 _RACER = """
-import sys
-from tasks.dataset import build_dataset
+import sys, time
+import tasks.dataset as stage
 from tasks.refs import TokenizerRef
-ref = build_dataset(sys.argv[1], TokenizerRef.model_validate_json(sys.argv[2]), int(sys.argv[3]),
-                    val_fraction=0.2, num_proc=1)
+
+build_into = stage._build_into
+
+def slow_build_into(*args, **kwargs):
+    with open(sys.argv[4], "a") as log:  # one line per tokenizing build
+        log.write("built\\n")
+    time.sleep(3)  # long enough that the other racer arrives while this one builds
+    return build_into(*args, **kwargs)
+
+stage._build_into = slow_build_into
+ref = stage.build_dataset(sys.argv[1], TokenizerRef.model_validate_json(sys.argv[2]), int(sys.argv[3]),
+                          val_fraction=0.2, num_proc=1)
 print(ref.model_dump_json())
 """
 
 
-def test_two_processes_racing_for_one_key_leave_one_valid_dataset(
+def test_two_processes_racing_for_one_key_tokenize_once_and_share_one_dataset(
     home: Path, tmp_path: Path, corpus_dir: Path, tokenizer: TokenizerRef
 ) -> None:
+    builds = tmp_path / "builds.log"
     racers = []
     for i in range(2):
         env = {**os.environ, "LLAMAFLOW_HOME": str(home), "HF_DATASETS_CACHE": str(tmp_path / f"hf{i}")}
         racers.append(
             subprocess.Popen(
-                [sys.executable, "-c", _RACER, str(corpus_dir), tokenizer.model_dump_json(), str(SEQ_LEN)],
+                [
+                    sys.executable,
+                    "-c",
+                    _RACER,
+                    str(corpus_dir),
+                    tokenizer.model_dump_json(),
+                    str(SEQ_LEN),
+                    str(builds),
+                ],
                 cwd=PROJECT_ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -216,6 +235,7 @@ def test_two_processes_racing_for_one_key_leave_one_valid_dataset(
         )
     outputs = [racer.communicate(timeout=120) for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert builds.read_text().splitlines() == ["built"]  # the second waited for the first, then reused it
     refs = [DatasetRef.model_validate_json(out.strip().splitlines()[-1]) for out, _ in outputs]
     assert refs[0] == refs[1]
     assert [p.name for p in (home / "cache" / "datasets").iterdir()] == [refs[0].fingerprint]
@@ -223,6 +243,22 @@ def test_two_processes_racing_for_one_key_leave_one_valid_dataset(
     train, _ = _arrays(refs[0])
     stream = _stream(resolve_corpus(str(corpus_dir), val_fraction=0.2).train.texts(), tokenizer)
     np.testing.assert_array_equal(train.reshape(-1), stream[: train.size])
+
+
+def test_staging_directories_of_a_crashed_build_are_removed(
+    home: Path, corpus_dir: Path, tokenizer: TokenizerRef
+) -> None:
+    corpus = resolve_corpus(str(corpus_dir), val_fraction=0.2)
+    fingerprint = dataset_fingerprint(corpus, tokenizer, SEQ_LEN, False, False)
+    datasets = home / "cache" / "datasets"
+    crashed = datasets / f".{fingerprint}.tmp-999999-deadbeef"  # what a killed builder leaves
+    (crashed / "val.tokens.bin").parent.mkdir(parents=True)
+    (crashed / "val.tokens.bin").write_bytes(b"\0" * 64)
+    other = datasets / ".0123abcd.tmp-999999-deadbeef"  # another slot's: not ours to judge
+    other.mkdir()
+    ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
+    assert ref.fingerprint == fingerprint
+    assert sorted(p.name for p in datasets.iterdir()) == sorted([fingerprint, other.name])
 
 
 def test_token_dtype_is_the_smallest_that_holds_the_vocabulary() -> None:
@@ -317,3 +353,29 @@ def _bad_data_flow(data: str) -> None:
 def test_prefect_task_with_bad_input_raises_the_data_error(prefect_api, home: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"does not exist"):
         _bad_data_flow(str(tmp_path / "missing"))
+
+
+def test_cached_refs_follow_a_moved_home_and_rebuild_in_an_empty_one(
+    prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corpus_dir: Path
+) -> None:
+    first_home = tmp_path / "first-home"
+    monkeypatch.setenv("LLAMAFLOW_HOME", str(first_home))
+    first = _data_flow(str(corpus_dir))
+    assert Path(first[3].path).is_relative_to(first_home)
+
+    # The home moves (a renamed checkout, another mount point): hits name the files where they are now.
+    moved_home = tmp_path / "moved-home"
+    first_home.rename(moved_home)
+    monkeypatch.setenv("LLAMAFLOW_HOME", str(moved_home))
+    moved = _data_flow(str(corpus_dir))
+    assert moved[:2] == ["Cached", "Cached"]
+    assert Path(moved[2].path).is_file() and Path(moved[2].path).is_relative_to(moved_home)
+    assert Path(moved[3].path, "train.npy").is_file() and Path(moved[3].path).is_relative_to(moved_home)
+    assert moved[3].fingerprint == first[3].fingerprint
+
+    # A worker with its own, empty home: the records exist but their files do not here, so both rebuild.
+    empty_home = tmp_path / "worker-home"
+    monkeypatch.setenv("LLAMAFLOW_HOME", str(empty_home))
+    rebuilt = _data_flow(str(corpus_dir))
+    assert rebuilt[:2] == ["Completed", "Completed"]
+    assert Path(rebuilt[3].path, "train.npy").is_file() and Path(rebuilt[3].path).is_relative_to(empty_home)

@@ -1,6 +1,9 @@
-"""Production set-up, end to end: a real Prefect server, the repository's own prefect.yaml deployed
-on a process work pool, a real worker running the `pretrain` flow on the tiny preset.
+"""Deployments, end to end: a real Prefect server, the deployments of the repository's prefect.yaml on a
+process work pool, a real worker running the `pretrain` flow on the tiny preset.
 
+Here the worker shares this checkout (the deployments run from it: `set_working_directory`, the
+development set-up), so each run starts in seconds; tests/test_production_e2e.py runs prefect.yaml's own
+build and pull steps (clone the commit, install it) on a worker that shares nothing with the deployer.
 One server, pool, deployment and worker serve the whole module (~20 s to start); each test triggers
 its own flow runs through the API, as an operator or a schedule would.
 """
@@ -16,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
     DeploymentFilter,
+    DeploymentFilterId,
     DeploymentFilterName,
     FlowRunFilter,
     FlowRunFilterId,
@@ -33,7 +38,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.config import PretrainConfig
-from flows.placement import PlacementError, check_placement
+from flows.placement import PlacementError, check_placement, train_on_deployment
 from flows.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
 from prefect_server import (
     deployment_run_cli,
@@ -80,8 +85,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
     base_env = {
         **os.environ,
-        # `{{ $PWD }}` in prefect.yaml's pull step reads this variable, not the process's cwd.
-        "PWD": str(REPO),
         "MLFLOW_TRACKING_URI": tracking_uri,
         "LLAMAFLOW_HOME": os.environ["LLAMAFLOW_HOME"],
         "LLAMAFLOW_MLRUNS": os.environ["LLAMAFLOW_MLRUNS"],
@@ -92,13 +95,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     with prefect_server(root / "prefect", base_env) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
-        prefect(["--no-prompt", "deploy", "--all"], env, REPO)
+        prefect(
+            ["--no-prompt", "deploy", "--all", "--prefect-file", str(_shared_checkout_file(root))], env, REPO
+        )
         worker_log = root / "worker.log"
         with (
             prefect_worker(POOL, env, root, worker_log),
             temporary_settings(updates={PREFECT_API_URL: api_url}),
         ):
             yield Stack(api_url, env, worker_log, tracking_uri)
+
+
+def _shared_checkout_file(root: Path) -> Path:
+    """prefect.yaml's deployments, run from this checkout: no build steps, `set_working_directory` here."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec["build"] = None
+    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    path = root / "prefect-shared-checkout.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
 
 
 def _start(
@@ -354,6 +369,51 @@ def test_check_placement_names_a_missing_train_deployment(stack: Stack) -> None:
         check_placement(
             PretrainConfig(preset="tiny", placement="deployment", train_deployment="train/absent")
         )
+
+
+@pytest.mark.e2e
+def test_a_training_run_that_does_not_end_in_time_is_cancelled_and_fails_the_wait(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # The train flow deployed on a pool that no worker serves: its run never starts.
+    prefect(["work-pool", "create", "idle-pool", "--type", "process"], stack.env, REPO)
+    with get_client(sync_client=True) as client:
+        gpu = client.read_deployment_by_name("remote-train/gpu")
+        idle = client.create_deployment(
+            flow_id=gpu.flow_id,
+            name="idle",
+            work_pool_name="idle-pool",
+            entrypoint=gpu.entrypoint,
+            pull_steps=gpu.pull_steps,
+            parameter_openapi_schema=gpu.parameter_openapi_schema,
+        )
+    model = ModelRef(path=str(tmp_path / "model"), fingerprint="m", n_params=1)
+    dataset = DatasetRef(
+        path=str(tmp_path / "data"),
+        fingerprint="d",
+        seq_len=64,
+        vocab_size=2048,
+        train_blocks=1,
+        val_blocks=1,
+        train_tokens=64,
+        val_tokens=64,
+    )
+    with pytest.raises(PlacementError, match=r"did not end within 3 s \(Scheduled\); it was cancelled"):
+        train_on_deployment(
+            "remote-train/idle",
+            model,
+            dataset,
+            TrainSettings(micro_batch_size=4),
+            str(tmp_path / "run"),
+            run_id=None,
+            retries=0,
+            timeout_s=3,
+        )
+    with get_client(sync_client=True) as client:
+        (child,) = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle]))
+        )
+    assert child.state.type.value in ("CANCELLING", "CANCELLED")  # its pool slot is free again
 
 
 def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -> None:

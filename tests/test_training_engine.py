@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from model import LlamaConfig, LlamaForPretraining, get_preset, load_weights
 from synthetic import model_ref as build_model_ref
 from synthetic import pattern_blocks, write_packed_dataset
+from tasks.data.packed import open_blocks
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit, lr_at, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
 from tasks.training.loader import IGNORE_INDEX, BlockLoader
-from tasks.training.loss import count_targets, token_loss_sum
+from tasks.training.loss import count_targets
 
 VOCAB = 96
 SEQ = 16
@@ -147,46 +149,14 @@ def test_loader_masks_padding_and_resumes_from_its_state() -> None:
 # ---------------------------------------------------------------- exact accumulation
 
 
-def step_grads(
-    model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], per_micro_mean: bool
-) -> dict:
-    """Gradients of one step: our normalisation (sum / step tokens), or the classic bug (mean of micro-means)."""
-    model.zero_grad(set_to_none=True)
-    n_tokens = count_targets([t for _, t in micro])
-    for inputs, targets in micro:
-        loss_sum = token_loss_sum(model(inputs), targets)
-        micro_mean = loss_sum / (targets != IGNORE_INDEX).sum()
-        (micro_mean / len(micro) if per_micro_mean else loss_sum / n_tokens).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def test_accumulated_gradients_equal_one_big_batch_and_the_test_catches_per_micro_mean() -> None:
-    torch.manual_seed(0)
-    model = LlamaForPretraining(tiny_config())
-    blocks = uneven_blocks(8, 11)
-    big = (
-        BlockLoader(blocks, pad_id=PAD, micro_batch_size=8, accumulate_steps=1, seed=0)
-        .next_step()
-        .micro_batches
-    )
-    small = (
-        BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=0)
-        .next_step()
-        .micro_batches
-    )
-    counts = [int((t != IGNORE_INDEX).sum()) for _, t in small]
-    assert len(set(counts)) > 1, "the micro-batches must hold different token counts for this test to bite"
-
-    reference = step_grads(model, big, per_micro_mean=False)
-    assert_state_close(step_grads(model, small, per_micro_mean=False), reference, rtol=1e-4, atol=1e-6)
-    with pytest.raises(AssertionError):
-        assert_state_close(step_grads(model, small, per_micro_mean=True), reference, rtol=1e-4, atol=1e-6)
-
-
 def test_training_with_accumulation_matches_one_big_micro_batch(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
 ) -> None:
     # 2 epochs of 29 blocks with a global batch of 8: steps of 8, 8, 8 and 5 blocks, uneven padding.
+    blocks = open_blocks(dataset.path, "train")
+    first = BlockLoader(blocks, pad_id=PAD, micro_batch_size=2, accumulate_steps=4, seed=1337).next_step()
+    counts = [count_targets([t]) for _, t in first.micro_batches]
+    assert len(set(counts)) > 1, "micro-batches must hold different token counts for this test to bite"
     split = fit(
         model_ref,
         dataset,
@@ -199,6 +169,10 @@ def test_training_with_accumulation_matches_one_big_micro_batch(
     )
     assert split.step == whole.step == 8
     assert split.tokens_seen == whole.tokens_seen == 2 * dataset.train_tokens
+    # The step's gradient is the same however it is split: its norm, step by step, then the losses.
+    norms_split = [m["train/grad_norm"] for _, m in sorted(read_metrics(split.run_dir).items())]
+    norms_whole = [m["train/grad_norm"] for _, m in sorted(read_metrics(whole.run_dir).items())]
+    np.testing.assert_allclose(norms_split, norms_whole, rtol=1e-4)
     losses_split = [m["train/loss"] for _, m in sorted(read_metrics(split.run_dir).items())]
     losses_whole = [m["train/loss"] for _, m in sorted(read_metrics(whole.run_dir).items())]
     np.testing.assert_allclose(losses_split, losses_whole, rtol=1e-5)
@@ -220,7 +194,20 @@ def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, mb: int, acc: int, expected_steps: int
 ) -> None:
     run = settings(micro_batch_size=mb, accumulate_steps=acc, warmup_steps=2, min_lr_ratio=0.1)
-    ref = fit(model_ref, dataset, run, tmp_path / "run", progress=False)
+    used: list[list[float]] = []  # every param group's LR when optimizer.step() runs
+
+    def record_lr(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        used.append([float(group["lr"]) for group in optimizer.param_groups])
+
+    handle = register_optimizer_step_pre_hook(record_lr)
+    try:
+        ref = fit(model_ref, dataset, run, tmp_path / "run", progress=False)
+    finally:
+        handle.remove()
+    assert len(used) == expected_steps
+    for step, group_lrs in enumerate(used):
+        expected = closed_form_cosine(step, 3e-3, 2, expected_steps, 0.1)
+        assert group_lrs == pytest.approx([expected] * len(group_lrs), rel=1e-12), step + 1
     logged = read_metrics(ref.run_dir)
     assert sorted(logged) == list(
         range(1, expected_steps + 1)
@@ -279,15 +266,6 @@ def test_truncated_checkpoint_is_skipped_and_resume_reproduces_the_run(
     again = {s: m["train/loss"] for s, m in read_metrics(run_dir).items()}
     assert again == losses  # steps 7 and 8 retrained from step 6: bit-identical losses
     assert_state_close(final_weights(resumed.path), final_weights(first.path), rtol=0, atol=0)
-
-
-def test_resume_with_settings_that_change_the_data_order_is_refused(
-    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
-) -> None:
-    fit(model_ref, dataset, settings(max_steps=2), tmp_path / "run", progress=False)
-    with pytest.raises(TrainingError, match="micro_batch_size"):
-        changed = settings(max_steps=2, micro_batch_size=4, accumulate_steps=2)
-        fit(model_ref, dataset, changed, tmp_path / "run", progress=False)
 
 
 def test_bad_inputs_fail_before_training(tmp_path: Path, dataset: DatasetRef) -> None:
@@ -367,3 +345,61 @@ def test_injected_crash_happens_once_and_the_retry_resumes(
     monkeypatch.setenv(ENV_VAR, "explode_at_step=1")
     with pytest.raises(ValueError, match="expected comma-separated NAME=STEP"):
         fit(model_ref, dataset, settings(), tmp_path / "other", progress=False)
+
+
+# ---------------------------------------------------------------- clipping, determinism, run length
+
+
+def first_moment_norm(checkpoint: str, beta1: float) -> float:
+    """Global norm of the gradient the optimizer applied at step 1: AdamW's exp_avg is then (1 - beta1) * g."""
+    state = torch.load(Path(checkpoint) / "optimizer.pt", weights_only=True)["state"]
+    squares = sum(float(s["exp_avg"].double().pow(2).sum()) for s in state.values())
+    return math.sqrt(squares) / (1 - beta1)
+
+
+def test_the_optimizer_applies_the_clipped_gradient(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    free = fit(model_ref, dataset, settings(max_steps=1, grad_clip=0), tmp_path / "free", progress=False)
+    norm = read_metrics(free.run_dir)[1]["train/grad_norm"]
+    assert first_moment_norm(free.path, 0.9) == pytest.approx(norm, rel=1e-4)
+    clip = norm / 10
+    clipped = fit(model_ref, dataset, settings(max_steps=1, grad_clip=clip), tmp_path / "c", progress=False)
+    assert read_metrics(clipped.run_dir)[1]["train/grad_norm"] == pytest.approx(norm, rel=1e-6)  # before
+    assert first_moment_norm(clipped.path, 0.9) == pytest.approx(clip, rel=1e-4)  # what the step used
+
+
+def test_deterministic_algorithms_are_on_while_training_and_restored_after(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Observer:
+        seen: list[bool] = []
+
+        def log_metrics(self, metrics: object, step: int) -> None:
+            self.seen.append(torch.are_deterministic_algorithms_enabled())
+
+    before = torch.are_deterministic_algorithms_enabled()  # the test session turns them on (conftest)
+    torch.use_deterministic_algorithms(False)
+    try:
+        observer = Observer()
+        fit(model_ref, dataset, settings(max_steps=2), tmp_path / "run", observer, progress=False)
+        assert observer.seen == [True, True]
+        assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting is back
+        monkeypatch.setenv(ENV_VAR, "nan_at_step=1")
+        with pytest.raises(TrainingError, match="non-finite"):  # also when training fails
+            fit(model_ref, dataset, settings(max_steps=2), tmp_path / "bad", progress=False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_the_checkpoint_says_what_set_the_run_length(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    by_steps = fit(model_ref, dataset, settings(max_steps=3), tmp_path / "steps", progress=False)
+    assert by_steps.run_length.startswith("3 optimizer steps, set by max_steps=3"), by_steps.run_length
+    by_epochs = fit(model_ref, dataset, settings(epochs=1.0), tmp_path / "epochs", progress=False)
+    assert by_epochs.run_length.startswith("4 optimizer steps, set by epochs=1"), by_epochs.run_length
+    assert "29 blocks" in by_epochs.run_length and "8 blocks per step" in by_epochs.run_length
+    # A resumed run that is already finished says the same.
+    assert fit(model_ref, dataset, settings(epochs=1.0), tmp_path / "epochs", progress=False) == by_epochs

@@ -1,13 +1,25 @@
 """Content-addressed cache directories of the data stages, and the Prefect cache records that point at them.
 
 A result is built in a private staging directory and renamed into place (`model.atomic.atomic_dir`), so
-readers never see a half-written directory. When two processes build the same key at once, the first
-rename wins; the loser discards its copy and uses the winner's (same inputs, same content).
+readers never see a half-written directory. Builders of one cache slot take its lock first (`build_lock`):
+when two runs need the same dataset at once, one builds it and the other waits and then uses it, instead of
+both tokenizing. Under the lock, staging directories that a killed builder left behind are removed.
+
+The Prefect records hold refs whose paths are relative to the llamaflow home (`tasks.refs.HomePath`), so a
+hit is resolved against the home of the process that reads it; a record whose directory is gone from that
+home is dropped and the task runs again.
 """
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from model.atomic import remove_stale
+from tasks import home
+from tasks.data.common import data_logger
 
 COMPLETE_MARKER = "meta.json"
 
@@ -16,12 +28,35 @@ def is_complete(final: Path) -> bool:
     return (final / COMPLETE_MARKER).is_file()
 
 
-def prefect_cache_key(task_name: str, fingerprint: str, output: Path) -> str:
-    """Prefect cache key for a task whose result points at `output`.
+@contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Hold the exclusive lock of cache slot `final` (one builder at a time, across processes).
 
-    If `output` was deleted (a cleared cache), the persisted result would hand out a dangling path:
-    drop that record so the task runs again and rebuilds. Records live in the task's result storage,
-    Prefect's default unless configured (`PREFECT_LOCAL_STORAGE_PATH`, a default storage block).
+    The lock file lives under `<home>/cache/locks`, not beside the slot, so cache directories hold only
+    published entries. `flock` is released by the kernel when a holder dies, so a crash never leaves it held.
+    """
+    locks = home.cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{final.parent.name}-{final.name}.lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            removed = remove_stale(final.parent, final.name)  # no live builder of this slot exists now
+            if removed:
+                data_logger().info(
+                    f"removed {len(removed)} staging directories of a crashed build of {final}"
+                )
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prefect_cache_key(task_name: str, fingerprint: str, output: Path) -> str:
+    """Prefect cache key for a task whose result points at `output` (a directory under the current home).
+
+    If `output` is missing here (a cleared cache, another home, another machine), the persisted result
+    would hand out a path that does not exist: drop that record so the task runs again and rebuilds.
+    Records live in the task's result storage, Prefect's default unless configured
+    (`PREFECT_LOCAL_STORAGE_PATH`, a default storage block).
     """
     key = f"{task_name}-{fingerprint}"
     if not is_complete(output):

@@ -14,7 +14,7 @@ length), `checkpoint`, `resume`, `metrics`, `control` (compile watch, stop signa
 `precision`, `settings`, `errors`, `faults` (fault injection for tests).
 """
 
-from tasks.training.errors import TrainingError, TrainingInterrupted
+from tasks.training.errors import TrainingError, TrainingInputError, TrainingInterrupted
 from tasks.training.launch import fit
 from tasks.training.metrics import MetricSink, read_metrics
 from tasks.training.schedule import lr_at, total_optimizer_steps
@@ -24,6 +24,7 @@ __all__ = [
     "MetricSink",
     "TrainSettings",
     "TrainingError",
+    "TrainingInputError",
     "TrainingInterrupted",
     "fit",
     "lr_at",

@@ -3,6 +3,7 @@
 A checkpoint is written into a private `.step_000123.tmp-*` directory, `manifest.json` (sha256 of every
 other file) written last, every file fsynced, then the directory is renamed into place (`model.atomic`).
 A directory without a valid manifest is never resumed from, so a `kill -9` at any moment leaves either the old or the new checkpoint usable.
+Each rank's RNG state is a file of its own (`rng_rank_<rank>.pt`), listed in the manifest like the others.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def capture_rng_state() -> dict[str, Any]:
+def rng_file(rank: int) -> str:
+    return f"rng_rank_{rank}.pt"
+
+
+def capture_rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's generators; on a GPU only its own device's (a host with other GPUs can restore it)."""
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -66,12 +72,13 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "python": random.getstate(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore `capture_rng_state`'s generators; a CUDA state goes to `device` (skipped on a CPU)."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
     np.random.set_state(
@@ -84,8 +91,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
     )
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def load_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
+    """Rank `rank`'s RNG state in checkpoint `path`, or None when the checkpoint was written by fewer ranks."""
+    file = path / rng_file(rank)
+    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None
 
 
 def write_checkpoint(
@@ -97,10 +110,11 @@ def write_checkpoint(
     trainer_state: dict[str, Any],
     model_config: dict[str, Any],
     settings: dict[str, Any],
+    rng_states: list[dict[str, Any]],
     keep: int,
     midway: Callable[[], None] | None = None,
 ) -> Path:
-    """Write `run_dir/step_{step:06d}` atomically, then keep only the newest `keep` checkpoints."""
+    """Write `run_dir/step_{step:06d}` atomically (`rng_states[r]` is rank r's), then prune (`prune_checkpoints`)."""
     final = run_dir / checkpoint_name(step)
     # The same step written again (a stop request right after a periodic save) replaces the first one.
     with atomic_dir(final, replace=True, durable=True) as staged:
@@ -112,12 +126,63 @@ def write_checkpoint(
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
-        checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
+        for rank, rng_state in enumerate(rng_states):
+            torch.save(rng_state, tmp / rng_file(rank))
+        checksums = {file.name: sha256_file(file) for file in sorted(tmp.iterdir())}
         # Written last: a directory without a manifest that matches is never resumed from.
         (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
-    for _, old in checkpoint_dirs(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _remember_valid(final)
+    prune_checkpoints(run_dir, keep, final)
     return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int, written: Path) -> None:
+    """Keep `written` (just written: the newest valid checkpoint) and the newest `keep - 1` valid ones before
+    it; remove every other checkpoint before it, valid or not.
+
+    Checkpoints of later steps are left alone: this run resumed from an earlier one, so they failed their
+    checksums then, and the run replaces each of them when it reaches its step.
+    """
+    written_step = int(_STEP_DIR.match(written.name).group(1))  # type: ignore[union-attr]
+    kept = 1
+    for step, path in reversed(checkpoint_dirs(run_dir)):
+        if step >= written_step:
+            continue
+        if kept < keep and is_valid(path):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        _verified.pop(path, None)
+
+
+# Checkpoints whose checksums this process verified (or wrote), by the identity of their manifest file:
+# pruning checks validity at every save without hashing gigabytes each time.
+_verified: dict[Path, tuple[int, int]] = {}
+
+
+def _manifest_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = (path / MANIFEST_FILE).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _remember_valid(path: Path) -> None:
+    identity = _manifest_identity(path)
+    if identity is not None:
+        _verified[path] = identity
+
+
+def is_valid(path: Path) -> bool:
+    """Whether every file of checkpoint `path` matches its manifest (cached while the manifest is the same)."""
+    identity = _manifest_identity(path)
+    if identity is not None and _verified.get(path) == identity:
+        return True
+    if checkpoint_problem(path) is not None:
+        return False
+    _remember_valid(path)
+    return True
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -133,6 +198,7 @@ def checkpoint_problem(path: Path) -> str | None:
     for name in REQUIRED_FILES:
         if name not in checksums:
             return f"manifest.json lists no {name}"
+    for name in checksums:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -146,6 +212,7 @@ def newest_valid_checkpoint(run_dir: Path) -> Path | None:
     for _, path in reversed(checkpoint_dirs(run_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
+            _remember_valid(path)
             return path
         warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
     return None

@@ -45,6 +45,14 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_object(self, value: object) -> list[object] | None:
+        """Every rank's `value`, in rank order, on the main rank; None on the others."""
+        if not self.distributed:
+            return [value]
+        gathered: list[object] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

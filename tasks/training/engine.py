@@ -4,8 +4,11 @@ torchrun job."""
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +21,23 @@ from tasks.data.packed import open_blocks, read_meta
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import checkpoint as ckpt
 from tasks.training.distributed import DistContext, resolve_device
-from tasks.training.errors import TrainingError
+from tasks.training.errors import TrainingInputError
 from tasks.training.loader import BlockLoader
 from tasks.training.loop import TrainLoop, checkpoint_ref
 from tasks.training.loss import LossHead
 from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
-from tasks.training.resume import check_resume_settings, find_resume
-from tasks.training.schedule import total_optimizer_steps
+from tasks.training.resume import RunShape, check_resume, find_resume
+from tasks.training.schedule import describe_run_length, total_optimizer_steps
 from tasks.training.settings import TrainSettings
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def _seed_rank(seed: int, rank: int) -> None:
+    """Each rank its own generators (dropout or sampling would differ per rank), reproducible from the seed."""
+    rank_seed = int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+    random.seed(rank_seed)
+    np.random.seed(rank_seed)
+    torch.manual_seed(rank_seed)
 
 
 def _configure_backends(device: torch.device) -> None:
@@ -44,6 +49,31 @@ def _configure_backends(device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
 
 
+@contextmanager
+def _backend_flags_restored() -> Iterator[None]:
+    """Give back the process-wide flags `_configure_backends` sets: whatever runs after training in this
+    process (evaluation in the flow, a notebook) gets its own settings, not the trainer's."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+def _restores_backend_flags(function: Callable[..., CheckpointRef]) -> Callable[..., CheckpointRef]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> CheckpointRef:
+        with _backend_flags_restored():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
 def validate_inputs(
     model_ref: ModelRef, dataset_ref: DatasetRef, settings: TrainSettings
 ) -> tuple[LlamaConfig, dict]:
@@ -51,24 +81,30 @@ def validate_inputs(
     model_dir = Path(model_ref.path)
     for name in ("config.json", "model.safetensors"):
         if not (model_dir / name).is_file():
-            raise TrainingError(
+            raise TrainingInputError(
                 f"{model_dir / name} is missing: build the ModelRef with config.json + model.safetensors"
             )
     config = LlamaConfig.from_dict(ckpt.read_json(model_dir / "config.json"))
     meta = read_meta(dataset_ref.path)
     if meta["vocab_size"] > config.vocab_size:
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset vocab_size {meta['vocab_size']} exceeds the model's vocab_size {config.vocab_size}: "
             "build the model with vocab_size >= the tokenizer's"
         )
     if meta["seq_len"] > config.max_position_embeddings:
-        raise TrainingError(
+        raise TrainingInputError(
             f"dataset seq_len {meta['seq_len']} exceeds max_position_embeddings {config.max_position_embeddings}: "
             "use a shorter seq_len or a model with more positions"
+        )
+    if settings.document_mask and meta.get("eos_id") is None:
+        raise TrainingError(
+            f"document_mask needs the dataset's EOS id, and {dataset_ref.path}/meta.json has none: rebuild the "
+            "dataset with a tokenizer that has an EOS token, or train without document_mask"
         )
     return config, meta
 
 
+@_restores_backend_flags
 def run_process(
     model_ref: ModelRef,
     dataset_ref: DatasetRef,
@@ -100,11 +136,33 @@ def run_process(
         settings.max_steps,
     )
 
+    shape = RunShape(
+        total_steps=total_steps,
+        micro_batch_size=settings.micro_batch_size,
+        accumulate_steps=settings.accumulate_steps,
+        world_size=dist.world_size,
+        dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
+    )
+    run_length = describe_run_length(
+        total_steps,
+        max_steps=settings.max_steps,
+        epochs=settings.epochs,
+        n_blocks=len(blocks),
+        global_batch=shape.global_batch,
+    )
+    if settings.warmup_steps > total_steps:
+        warnings.warn(
+            f"warmup_steps={settings.warmup_steps} is longer than the run ({run_length}): the learning rate "
+            "never reaches its peak",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
     resume = find_resume(run_dir, dist)
     state: dict[str, Any] | None = None
     if resume is not None:
-        check_resume_settings(resume, settings)
         state = ckpt.load_trainer_state(resume)
+        check_resume(resume, state, settings, shape)
         if dist.is_main:
             print(
                 f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}",
@@ -115,7 +173,7 @@ def run_process(
             return checkpoint_ref(resume, run_dir, state)
 
     _configure_backends(device)
-    _seed_everything(settings.seed)
+    _seed_rank(settings.seed, dist.rank)
     plain = load_pretrained(config, resume or Path(model_ref.path), device=device)
     plain.train()
     optimizer = build_optimizer(
@@ -141,15 +199,25 @@ def run_process(
         assert resume is not None
         optimizer.load_state_dict(ckpt.load_optimizer_state(resume))
         loader.load_state_dict(state["loader"])
-        ckpt.restore_rng_state(state["rng"])
+        rng_state = ckpt.load_rng_state(resume, dist.rank)
+        if rng_state is not None:
+            ckpt.restore_rng_state(rng_state, device)
+        else:
+            print(
+                f"[llamaflow] rank {dist.rank}: {resume} holds no RNG state of this rank (written by fewer "
+                "ranks); it continues with fresh generators from the seed",
+                flush=True,
+            )
         step, tokens_seen = state["step"], state["tokens_seen"]
 
     # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
-    model: nn.Module = LossHead(plain)
-    if settings.compile:
-        model = torch.compile(model, dynamic=False)
+    model: nn.Module = LossHead(plain, eos_id=meta["eos_id"] if settings.document_mask else None)
+    # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
+    # all-reduce overlaps the rest of the backward pass.
     if ddp_wrap is not None:
         model = ddp_wrap(model, device)
+    if settings.compile:
+        model = torch.compile(model, dynamic=False)
 
     loop = TrainLoop(
         model=model,
@@ -169,5 +237,6 @@ def run_process(
         progress=progress,
         should_stop=should_stop,
         last_checkpoint=resume,
+        run_facts={**shape.to_dict(), "length": run_length},
     )
     return loop.run()

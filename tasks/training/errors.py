@@ -9,3 +9,7 @@ class TrainingError(RuntimeError):
 
 class TrainingInterrupted(TrainingError):
     """Stopped by SIGINT/SIGTERM or a stop request, after writing a checkpoint."""
+
+
+class TrainingInputError(TrainingError):
+    """The inputs do not fit: model and dataset, or a checkpoint and the settings it is resumed with."""

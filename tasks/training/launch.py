@@ -14,11 +14,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import write_text_atomic
-from tasks.home import PROJECT_ROOT
+from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training.engine import run_process, validate_inputs
 from tasks.training.errors import TrainingError, TrainingInterrupted
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
+from tasks.training.openmp import openmp_env
 from tasks.training.settings import TrainSettings
 
 SPEC_FILE = "torchrun_spec.json"
@@ -99,9 +100,11 @@ def _fit_with_torchrun(
         str(spec_path),
     ]
     env = dict(os.environ)
+    env.update(openmp_env(env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    env[HOME_ENV], env[MLRUNS_ENV] = str(home()), str(mlruns_dir())  # the ranks see this process's places
     # Output is inherited (streamed as it comes); metrics arrive through metrics.jsonl.
-    process = subprocess.Popen(command, env=env, cwd=PROJECT_ROOT, start_new_session=True)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     stop_sent = False
     try:
         while process.poll() is None:

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class TrainLoop:
     progress: bool
     should_stop: Callable[[], bool] | None
     last_checkpoint: Path | None
+    run_facts: dict[str, Any] = field(default_factory=dict)  # RunShape and run length, saved for resume
 
     def __post_init__(self) -> None:
         self.faults = FaultInjector(self.run_dir)
@@ -68,13 +69,16 @@ class TrainLoop:
         self.start_step = self.step
         self.compile_time_s: float | None = None
         self.steady_tokens = 0
-        self.steady_time = 0.0
+        self.steady_time = 0.0  # wall clock of the steps after the first
+        # End of the previous step's whole iteration: a step's wall time runs from there, so it includes
+        # loading its batch and the previous step's logging and checkpoint, not only the compute.
+        self.wall_mark = time.perf_counter()
         self.last_loss = float("nan")
         self.last_metrics: dict[str, float] = {}
         self.compile_watch = CompileWatch()
 
     def run(self) -> CheckpointRef:
-        started = time.perf_counter()
+        started = self.wall_mark = time.perf_counter()
         watch = self.compile_watch
         signals = StopSignals()
         bar = tqdm(
@@ -185,30 +189,35 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - t0
+        now = time.perf_counter()
+        step_time, wall_time = now - t0, now - self.wall_mark
+        self.wall_mark = now
 
         self.step = step_number
         self.tokens_seen += int(n_tokens)
         self.last_loss = step_loss
-        tokens_per_s = n_tokens / step_time
+        # The headline figure is wall clock, everything included; the compute-only rate is kept beside it.
+        tokens_per_s = n_tokens / wall_time
         metrics = {
             "train/loss": step_loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s,
+            "train/compute_tokens_per_s": n_tokens / step_time,
             "train/mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
-            "train/step_time_s": step_time,
+            "train/step_time_s": wall_time,
+            "train/compute_time_s": step_time,
             "train/tokens_seen": float(self.tokens_seen),
             "train/peak_mem_mb": peak_memory_mb(self.device),
             "train/total_steps": float(self.total_steps),
             "train/epoch": self.loader.position.epoch + self.loader.position.index / len(self.loader.blocks),
         }
         if self.compile_time_s is None:
-            self.compile_time_s = step_time
-            metrics["train/compile_time_s"] = step_time
+            self.compile_time_s = wall_time
+            metrics["train/compile_time_s"] = wall_time
         else:
             self.steady_tokens += int(n_tokens)
-            self.steady_time += step_time
+            self.steady_time += wall_time
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -247,13 +256,15 @@ class TrainLoop:
         }
 
     def _checkpoint(self, recompiles: int, stopped_early: bool) -> None:
+        rng_states = self.dist.gather_object(ckpt.capture_rng_state(self.device))
         if self.dist.is_main:
+            assert rng_states is not None
             trainer_state = {
                 "step": self.step,
                 "total_steps": self.total_steps,
                 "tokens_seen": self.tokens_seen,
                 "loader": self.loader.state_dict(),
-                "rng": ckpt.capture_rng_state(),
+                "run": self.run_facts,
                 "schedule": {
                     "lr": self.settings.lr,
                     "warmup_steps": self.settings.warmup_steps,
@@ -270,6 +281,7 @@ class TrainLoop:
                 trainer_state=trainer_state,
                 model_config=self.config.to_dict(),
                 settings=self.settings.model_dump(mode="json"),
+                rng_states=rng_states,  # type: ignore[arg-type]
                 keep=self.settings.keep_checkpoints,
                 midway=lambda: self.faults.mid_checkpoint(self.step),
             )
@@ -285,4 +297,5 @@ def checkpoint_ref(path: Path, run_dir: Path, state: dict[str, Any]) -> Checkpoi
         step=int(state["step"]),
         tokens_seen=int(state["tokens_seen"]),
         metrics={k: float(v) for k, v in state.get("summary", {}).items()},
+        run_length=str(state.get("run", {}).get("length", "")),
     )

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import document_ids_from_eos
 from tasks.training.loader import IGNORE_INDEX
 
 
@@ -31,13 +32,18 @@ class LossHead(nn.Module):
     Compiling the loss with the model lets inductor fuse the float32 upcast, log-softmax and gather into
     the model's graph instead of materialising float32 logits between graphs: 1.36x tokens/s on the demo
     preset here (benchmarks/README.md, "loss inside the compiled graph"). The loss runs outside autocast.
+
+    With `eos_id`, attention is masked per document: the document ids are derived from the inputs inside
+    the compiled graph (EOS closes a document), so the loader and the batches stay as they are.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, eos_id: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.eos_id = eos_id
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
+        documents = None if self.eos_id is None else document_ids_from_eos(inputs, self.eos_id)
+        logits = self.model(inputs, document_ids=documents)
         with torch.autocast(device_type=logits.device.type, enabled=False):
             return token_loss_sum(logits, targets)

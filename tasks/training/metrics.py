@@ -108,7 +108,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak FLOP/s for MFU: a table for known GPUs, else a measured matmul peak cached on disk."""
+    """Peak FLOP/s for MFU: a table for known GPUs, else a measured matmul peak cached on disk (trusted for
+    PEAK_MAX_AGE_S when it was measured at low load; re-measured otherwise, keeping the best)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peak in GPU_PEAK_BF16.items():
@@ -117,21 +118,40 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return _measured_peak(device, dtype)
 
 
+# A cached CPU matmul peak is trusted this long, and only when it was measured on a quiet machine: a peak
+# measured under load (0.9 instead of 2.1 TFLOP/s was seen) would inflate every MFU after it.
+PEAK_MAX_AGE_S = 7 * 24 * 3600
+
+
 def _measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     key = f"{device.type}|{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
     cache = cache_dir() / "device_peak.json"
-    known: dict[str, float] = {}
+    known: dict[str, object] = {}
     if cache.is_file():
         try:
             known = json.loads(cache.read_text())
         except ValueError:
             known = {}
-    if key in known:
-        return known[key]
+    entry = known.get(key)
+    if isinstance(entry, dict) and _trusted(entry):
+        return float(entry["flops"])
+    load = os.getloadavg()[0]
     peak = _time_matmul(device, dtype)
-    known[key] = peak
+    if (
+        isinstance(entry, dict)
+        and float(entry.get("flops", 0.0)) > peak
+        and time.time() - float(entry.get("measured_at", 0.0)) < PEAK_MAX_AGE_S
+    ):
+        peak = float(entry["flops"])  # keep the better of an untrusted earlier measure and this one
+    known[key] = {"flops": peak, "measured_at": time.time(), "load_1min": load, "cores": os.cpu_count()}
     write_text_atomic(cache, json.dumps(known, indent=2))
     return peak
+
+
+def _trusted(entry: dict) -> bool:
+    fresh = time.time() - float(entry.get("measured_at", 0.0)) < PEAK_MAX_AGE_S
+    quiet = float(entry.get("load_1min", float("inf"))) < 0.5 * float(entry.get("cores") or 1)
+    return fresh and quiet and float(entry.get("flops", 0.0)) > 0
 
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:

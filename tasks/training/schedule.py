@@ -32,6 +32,20 @@ def steps_per_epoch(n_blocks: int, global_batch: int) -> int:
     return -(-n_blocks // global_batch)
 
 
+def describe_run_length(
+    total_steps: int, *, max_steps: int | None, epochs: float, n_blocks: int, global_batch: int
+) -> str:
+    """One sentence for the run summary: how many optimizer steps, and which setting decided it."""
+    per_epoch = steps_per_epoch(n_blocks, global_batch)
+    data = f"{n_blocks:,} blocks, {global_batch} blocks per step, {per_epoch} steps per epoch"
+    if max_steps is not None:
+        return (
+            f"{total_steps} optimizer steps, set by max_steps={max_steps} (epochs={epochs:g} not used; "
+            f"{total_steps / per_epoch:.3g} epochs of {data})"
+        )
+    return f"{total_steps} optimizer steps, set by epochs={epochs:g} ({data})"
+
+
 def lr_at(
     step: int,
     *,

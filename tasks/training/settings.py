@@ -46,6 +46,10 @@ class TrainSettings(BaseModel):
     seed: int = Field(1337, description="Seeds data order, initialisation and sampling")
     compile: bool = Field(True, description="torch.compile the model (after any checkpoint is loaded)")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="Autocast precision")
+    document_mask: bool = Field(
+        False,
+        description="Attention stays inside each document of a packed block (documents end with EOS)",
+    )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
 

@@ -22,7 +22,8 @@ from tasks.training.launch import RESULT_FILE, WorkerSpec
 
 def _wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    # The only buffers are the RoPE tables, derived from the config on every rank: nothing to broadcast.
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def main(spec_path: str) -> None:

@@ -1,0 +1,243 @@
+"""Resuming a run: what may change and what is refused, which checkpoints pruning keeps, and the RNG
+state of each rank. In-process and eager: the tiny model on 29 synthetic blocks, 8 optimizer steps."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import get_preset
+from synthetic import model_ref as build_model_ref
+from synthetic import pattern_blocks, write_packed_dataset
+from tasks.refs import DatasetRef, ModelRef
+from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+
+VOCAB = 96
+SEQ = 16
+PAD = 0
+
+
+def blocks_with_padding(seed: int) -> np.ndarray:
+    blocks = pattern_blocks(29, SEQ, VOCAB, seed)
+    rng = np.random.default_rng(seed + 100)
+    for row in range(0, 29, 3):
+        blocks[row, rng.integers(2, SEQ) :] = PAD
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    return write_packed_dataset(
+        tmp_path_factory.mktemp("packed"),
+        blocks_with_padding(0),
+        pattern_blocks(4, SEQ, VOCAB, 1),
+        vocab_size=VOCAB,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_ref() -> ModelRef:
+    return build_model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ), seed=0)
+
+
+def settings(**overrides: object) -> TrainSettings:
+    # 2 epochs of 29 blocks, global batch 8: 8 optimizer steps, the 4th and 8th of 5 blocks.
+    base: dict[str, object] = dict(
+        micro_batch_size=2,
+        accumulate_steps=4,
+        epochs=2.0,
+        lr=3e-3,
+        warmup_steps=2,
+        checkpoint_every=2,
+        compile=False,
+        dtype="fp32",
+    )
+    base.update(overrides)
+    return TrainSettings(**base)  # type: ignore[arg-type]
+
+
+def stop_after(steps: int):
+    calls: list[int] = []
+    return lambda: calls.append(1) or len(calls) >= steps
+
+
+def losses(run_dir: str | Path) -> dict[int, float]:
+    return {step: m["train/loss"] for step, m in read_metrics(run_dir).items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, dataset: DatasetRef, model_ref: ModelRef) -> Path:
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    fit(model_ref, dataset, settings(), run_dir, progress=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory, dataset: DatasetRef, model_ref: ModelRef) -> Path:
+    """The same run stopped after its step-4 checkpoint; each test resumes a copy."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.raises(TrainingInterrupted, match="after step 4"):
+        fit(model_ref, dataset, settings(), run_dir, progress=False, should_stop=stop_after(4))
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- what a resume may change (issue 12, item 10)
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"weight_decay": 0.05}, "weight_decay: checkpoint 0.1, now 0.05"),
+        ({"betas": (0.8, 0.9)}, "betas: checkpoint [0.9, 0.95], now [0.8, 0.9]"),
+        ({"eps": 1e-6}, "eps: checkpoint 1e-08, now 1e-06"),
+        ({"grad_clip": 0.5}, "grad_clip"),
+        ({"seed": 1}, "seed"),
+        ({"max_steps": 6}, "total_steps: checkpoint 8, now 6"),
+        ({"epochs": 3.0}, "total_steps: checkpoint 8, now 12"),
+        (
+            {"micro_batch_size": 4},
+            "global batch (micro_batch_size x accumulate_steps x ranks): checkpoint 2 x 4 x 1",
+        ),
+    ],
+)
+def test_a_resume_that_would_change_the_run_is_refused_naming_the_setting(
+    tmp_path: Path, stopped: Path, dataset: DatasetRef, model_ref: ModelRef, changed: dict, named: str
+) -> None:
+    run_dir = copy_of(stopped, tmp_path)
+    with pytest.raises(TrainingError, match=r"cannot resume .*step_000004") as info:
+        fit(model_ref, dataset, settings(**changed), run_dir, progress=False)
+    assert named in str(info.value)
+    assert max(read_metrics(run_dir)) == 4  # refused before any step
+
+
+def test_a_rebuilt_dataset_with_the_same_block_count_is_refused(
+    tmp_path: Path, stopped: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    rebuilt = write_packed_dataset(
+        tmp_path / "rebuilt", blocks_with_padding(7), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB
+    )
+    assert rebuilt.train_blocks == dataset.train_blocks and rebuilt.fingerprint != dataset.fingerprint
+    with pytest.raises(TrainingError, match=f"dataset fingerprint: checkpoint {dataset.fingerprint}"):
+        fit(model_ref, rebuilt, settings(), copy_of(stopped, tmp_path), progress=False)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"micro_batch_size": 4, "accumulate_steps": 2},  # the same global batch, split differently
+        {"micro_batch_size": 8, "accumulate_steps": 1, "keep_checkpoints": 3, "log_every": 2},
+        {"max_steps": 8},  # the same 8 steps, now from max_steps
+    ],
+)
+def test_a_resume_that_keeps_the_run_is_allowed_and_continues_it(
+    tmp_path: Path, stopped: Path, reference: Path, dataset: DatasetRef, model_ref: ModelRef, changed: dict
+) -> None:
+    run_dir = copy_of(stopped, tmp_path)
+    done = fit(model_ref, dataset, settings(**changed), run_dir, progress=False)
+    assert done.step == 8
+    expected, got = losses(reference), losses(run_dir)
+    assert {1, 2, 3, 4, 8} <= got.keys() <= expected.keys()  # log_every=2 skips step 7
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
+    a = load_file(str(Path(done.path) / "model.safetensors"))
+    b = load_file(str(reference / "step_000008" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- pruning (issue 12, item 11)
+
+
+def corrupt(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def test_pruning_keeps_the_checkpoint_just_written_when_corrupt_newer_ones_are_on_disk(
+    tmp_path: Path, reference: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    run_dir = tmp_path / "run"
+    fit(model_ref, dataset, settings(keep_checkpoints=3), run_dir, progress=False)
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [4, 6, 8]
+    corrupt(run_dir / "step_000006")
+    corrupt(run_dir / "step_000008")
+
+    # Resumes from step 4 (6 and 8 are corrupt) and stops after step 5, keeping one checkpoint.
+    keep_one = settings(keep_checkpoints=1)
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"), pytest.raises(TrainingInterrupted):
+        fit(model_ref, dataset, keep_one, run_dir, progress=False, should_stop=stop_after(1))
+    on_disk = dict(checkpoint_dirs(run_dir))
+    assert 5 in on_disk and checkpoint_problem(on_disk[5]) is None, sorted(on_disk)
+    assert 4 not in on_disk  # older than the newest valid one, beyond keep_checkpoints=1
+    assert checkpoint_problem(on_disk[8]) is not None  # corrupt, left for step 8 to replace
+
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        done = fit(model_ref, dataset, keep_one, run_dir, progress=False)
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [8] and checkpoint_problem(Path(done.path)) is None
+    assert losses(run_dir) == losses(reference)  # bit for bit, through both resumes
+
+
+# ---------------------------------------------------------------- per-rank RNG state (issue 12, item 12)
+
+
+class DrawingSink:
+    """Draws from every global generator after each step, as dropout or sampling in training would."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        torch.rand(1)
+        np.random.rand()
+        random.random()
+
+
+def rng_state(checkpoint: Path, rank: int = 0) -> dict:
+    return torch.load(checkpoint / f"rng_rank_{rank}.pt", weights_only=True)
+
+
+def assert_same_rng(a: dict, b: dict) -> None:
+    assert torch.equal(a["torch"], b["torch"])
+    assert torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) and a["numpy"]["pos"] == b["numpy"]["pos"]
+    assert a["python"] == b["python"]
+
+
+def test_rng_state_is_saved_per_rank_in_the_manifest_and_restored_on_resume(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    whole = fit(model_ref, dataset, settings(), tmp_path / "whole", DrawingSink(), progress=False)
+    manifest = json.loads((Path(whole.path) / "manifest.json").read_text())
+    assert "rng_rank_0.pt" in manifest["sha256"]
+
+    run_dir = tmp_path / "resumed"
+    with pytest.raises(TrainingInterrupted):
+        fit(model_ref, dataset, settings(), run_dir, DrawingSink(), progress=False, should_stop=stop_after(2))
+    resumed = fit(model_ref, dataset, settings(), run_dir, DrawingSink(), progress=False)
+    # 8 steps of draws either way: restored at step 2, not seeded afresh.
+    assert_same_rng(rng_state(Path(resumed.path)), rng_state(Path(whole.path)))
+
+    (Path(resumed.path) / "rng_rank_0.pt").write_bytes(b"not a torch file")
+    assert "rng_rank_0.pt does not match its sha256" in (checkpoint_problem(Path(resumed.path)) or "")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_rank_saves_and_restores_only_its_own_gpus_rng_state() -> None:
+    from tasks.training.checkpoint import capture_rng_state, restore_rng_state
+
+    device = torch.device("cuda", 0)
+    state = capture_rng_state(device)
+    assert isinstance(state["cuda"], torch.Tensor)  # this rank's generator, not one per visible GPU
+    expected = torch.rand(4, device=device)
+    restore_rng_state(state, device)
+    assert torch.equal(torch.rand(4, device=device), expected)
+    restore_rng_state(state, torch.device("cpu"))  # resumed without a GPU: the CUDA part is skipped
