@@ -97,7 +97,7 @@ def validate_inputs(
             "use a shorter seq_len or a model with more positions"
         )
     if settings.document_mask and meta.get("eos_id") is None:
-        raise TrainingError(
+        raise TrainingInputError(
             f"document_mask needs the dataset's EOS id, and {dataset_ref.path}/meta.json has none: rebuild the "
             "dataset with a tokenizer that has an EOS token, or train without document_mask"
         )
