@@ -18,6 +18,7 @@ import pytest
 from tasks import home
 from tasks.refs import DatasetRef
 from tasks.tracking import report, store
+from tasks.tracking.dataset_source import PackedSplitSource
 from tasks.tracking.sink import MlflowSink, start_system_metrics
 from tasks.training.metrics import JsonlMetrics
 
@@ -46,14 +47,14 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _dataset(tmp_path: Path) -> DatasetRef:
+def _dataset(tmp_path: Path, fingerprint: str = "f" * 64) -> DatasetRef:
     directory = tmp_path / "packed-abc"
-    directory.mkdir()
+    directory.mkdir(parents=True)
     np.save(directory / "train.npy", np.zeros((10, 129), dtype=np.uint16))
     np.save(directory / "val.npy", np.zeros((2, 129), dtype=np.uint16))
     return DatasetRef(
         path=str(directory),
-        fingerprint="f" * 64,
+        fingerprint=fingerprint,
         seq_len=128,
         vocab_size=512,
         train_blocks=10,
@@ -131,6 +132,23 @@ def test_training_and_validation_datasets_are_mlflow_data_inputs(run_id: str, tm
     assert json.loads(train.profile)["features_shape"] == [10, 129]
     assert json.loads(val.profile)["features_shape"] == [2, 129]
     assert json.loads(train.schema)["mlflow_tensorspec"]["features"]
+    # Where it came from names no path of this machine (tmp_path is outside the home: its name only).
+    assert train.source_type == "llamaflow"
+    assert json.loads(train.source) == {"path": "packed-abc/train.npy", "fingerprint": ref.fingerprint}
+    assert str(tmp_path) not in train.source + val.source
+
+
+def test_a_dataset_under_the_home_is_stored_relative_to_it(run_id: str) -> None:
+    parent = f"datasets/tracking-test-{run_id}"
+    # (MLflow keeps one source per experiment, dataset name and digest: another digest than the test above)
+    ref = _dataset(home.home() / parent, fingerprint="e" * 64)
+    store.log_datasets(run_id, ref)
+    sources = [json.loads(i.dataset.source) for i in store.get_client().get_run(run_id).inputs.dataset_inputs]
+    assert sorted(s["path"] for s in sources) == [
+        f"$LLAMAFLOW_HOME/{parent}/packed-abc/train.npy",
+        f"$LLAMAFLOW_HOME/{parent}/packed-abc/val.npy",
+    ]
+    assert PackedSplitSource.from_dict(sources[0]).load().startswith(str(home.home()))
 
 
 def test_sink_logs_every_step_once_through_async_logging(run_id: str) -> None:

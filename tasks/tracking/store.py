@@ -288,6 +288,8 @@ def log_datasets(run_id: str, dataset: DatasetRef, uri: str | None = None) -> No
     import numpy as np
     from mlflow.data import from_numpy
 
+    from tasks.tracking.dataset_source import PackedSplitSource
+
     client = get_client(uri)
     present = {(i.dataset.name, i.dataset.digest) for i in client.get_run(run_id).inputs.dataset_inputs or []}
     root = Path(dataset.path)
@@ -296,10 +298,10 @@ def log_datasets(run_id: str, dataset: DatasetRef, uri: str | None = None) -> No
         name, digest = f"{root.name}/{split}", dataset.fingerprint[:MAX_DATASET_DIGEST_SIZE]
         if (name, digest) in present:
             continue
-        blocks = np.load(root / f"{split}.npy", mmap_mode="r", allow_pickle=False)
-        with warnings.catch_warnings():  # MLflow registers its local-file source twice and says so
-            warnings.filterwarnings("ignore", message=".*can be interpreted in multiple ways")
-            data = from_numpy(blocks, source=str(root / f"{split}.npy"), name=name, digest=digest)
+        file = root / f"{split}.npy"
+        blocks = np.load(file, mmap_mode="r", allow_pickle=False)
+        source = PackedSplitSource.of(file, dataset.fingerprint)  # no path of this machine
+        data = from_numpy(blocks, source=source, name=name, digest=digest)
         tags = [InputTag(key="mlflow.data.context", value=context)]
         inputs.append(DatasetInput(data._to_mlflow_entity(), tags=tags))
     if inputs:
