@@ -34,7 +34,7 @@ from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, T
 from tasks.register import register_task
 from tasks.scoring import check_byte_level
 from tasks.tokenize import train_tokenizer_task
-from tasks.tracking import report, runs, store
+from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
 
 
@@ -115,6 +115,8 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             device=config.device,
             dtype=config.dtype,
         )
+        # Each scored checkpoint as a logged model with its validation metrics linked, then the rest.
+        checkpoints.log_checkpoint_models(run_id, evaluation, dataset, uri)
         report.log_evaluation(run_id, evaluation, checkpoint=checkpoint, uri=uri)
         # The store is the environment's (as here), never a task parameter: its URI may hold credentials.
         registered = register_task(

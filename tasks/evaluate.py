@@ -10,6 +10,7 @@ different vocabularies compare.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,8 +19,9 @@ from prefect import task
 from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, generate, load_pretrained
-from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ModelRef, TokenizerRef
+from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
 from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
+from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
 from tasks.training.precision import autocast
 
@@ -166,7 +168,8 @@ def evaluate(
     dtype: str = "bf16",
 ) -> EvalResult:
     """Bits per byte and loss of the trained weights on the first `max_blocks` validation blocks' text (and
-    of the initial ones, for contrast), xz's bits per byte on the same bytes, and samples."""
+    of the initial ones, for contrast, and of the earlier checkpoints kept in the run directory), xz's bits
+    per byte on the same bytes, and samples."""
     dev = resolve_device(device)
     text = validation_text(dataset, tokenizer, max_blocks)
     kwargs = {"seq_len": dataset.seq_len, "device": dev, "dtype": dtype}
@@ -177,6 +180,14 @@ def evaluate(
         )
     model = load_pretrained(checkpoint.path, device=dev).eval()
     val_loss, bits_per_byte = score_text(model, text, **kwargs)
+    scores = [
+        CheckpointScore(
+            step=checkpoint.step, path=checkpoint.path, val_loss=val_loss, bits_per_byte=bits_per_byte
+        )
+    ]
+    for step, path in earlier_checkpoints(checkpoint):
+        loss, bpb = score_text(load_pretrained(path, device=dev), text, **kwargs)
+        scores.append(CheckpointScore(step=step, path=str(path), val_loss=loss, bits_per_byte=bpb))
     samples = generate_samples(
         model,
         Tokenizer.from_file(tokenizer.path),
@@ -201,7 +212,17 @@ def evaluate(
         initial_val_loss=initial_loss,
         initial_bits_per_byte=initial_bpb,
         samples=tuple(samples),
+        checkpoints=tuple(sorted(scores, key=lambda score: score.step)),
     )
+
+
+def earlier_checkpoints(checkpoint: CheckpointRef) -> list[tuple[int, Path]]:
+    """The valid checkpoints kept in the run directory before the final one (`keep_checkpoints`)."""
+    return [
+        (step, path)
+        for step, path in checkpoint_dirs(Path(checkpoint.run_dir))
+        if step < checkpoint.step and is_valid(path)
+    ]
 
 
 evaluate_task = task(evaluate, name="evaluate")

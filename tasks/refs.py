@@ -66,6 +66,15 @@ class CheckpointRef(_Ref):
     )
 
 
+class CheckpointScore(_Ref):
+    """One checkpoint of the run scored on the validation text (the final one and those kept before it)."""
+
+    step: int
+    path: HomePath = Field(description="The checkpoint directory (model.safetensors + config.json inside)")
+    val_loss: float
+    bits_per_byte: float
+
+
 class EvalResult(_Ref):
     """What evaluation measured on the validation text (`tasks.scoring`): the text's first
     `max_blocks * seq_len` tokens of the dataset's validation split, in `dtype`."""
@@ -83,6 +92,9 @@ class EvalResult(_Ref):
     initial_val_loss: float | None = None
     initial_bits_per_byte: float | None = None
     samples: tuple[tuple[str, str], ...] = ()
+    checkpoints: tuple[CheckpointScore, ...] = Field(
+        (), description="Every valid checkpoint left in the run directory, scored the same way, oldest first"
+    )
 
 
 class RegisteredModel(_Ref):

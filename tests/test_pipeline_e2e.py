@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -79,6 +80,34 @@ def test_the_flow_run_and_the_mlflow_run_point_at_each_other(tiny_run: PretrainR
     assert len(links) == 1 and f"/runs/{tiny_run.run_id})" in links[0].data
     summary = next(a for a in artifacts if a.key == "pretrain-summary")
     assert "bits per byte" in summary.data
+
+
+def test_the_runs_checkpoints_are_logged_models_and_the_best_is_found_by_bits_per_byte(
+    tiny_run: PretrainResult,
+) -> None:
+    client = MlflowClient(home.tracking_uri())
+    scores = {s.step: s for s in tiny_run.evaluation.checkpoints}
+    assert set(scores) == {20, 30}  # the tiny preset checkpoints every 10 steps and keeps 2
+    assert scores[30].bits_per_byte == tiny_run.evaluation.bits_per_byte
+    mlflow.set_tracking_uri(home.tracking_uri())  # as a user would (conftest resets it)
+    found = mlflow.search_logged_models(
+        experiment_ids=[client.get_run(tiny_run.run_id).info.experiment_id],
+        filter_string=f"source_run_id = '{tiny_run.run_id}' AND model_type = 'llamaflow-checkpoint'",
+        order_by=[{"field_name": "metrics.val/bits_per_byte", "ascending": True}],
+        output_format="list",
+    )
+    assert sorted(int(m.params["step"]) for m in found) == [20, 30]
+    best = found[0]
+    assert int(best.params["step"]) == min(scores, key=lambda step: scores[step].bits_per_byte)
+    linked = {m.key: m for m in best.metrics}
+    assert linked["val/bits_per_byte"].value == scores[int(best.params["step"])].bits_per_byte
+    assert linked["val/bits_per_byte"].step == int(best.params["step"])
+    assert linked["val/bits_per_byte"].dataset_digest == tiny_run.dataset.fingerprint[:36]
+    files = {a.path for a in client.list_logged_model_artifacts(best.model_id)}
+    assert files == {"model.safetensors", "config.json"}
+    # The run's validation curve: one point per checkpoint, each once.
+    history = client.get_metric_history(tiny_run.run_id, "val/bits_per_byte")
+    assert sorted(m.step for m in history) == [20, 30]
 
 
 def test_promotion_emits_a_prefect_event_with_both_numbers(tiny_run: PretrainResult) -> None:
