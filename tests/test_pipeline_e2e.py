@@ -129,6 +129,9 @@ def test_promotion_emits_a_prefect_event_with_both_numbers(tiny_run: PretrainRes
     assert payload["model_name"] == "e2e-tiny" and payload["version"] == registered.version
     assert payload["bits_per_byte"] == registered.bits_per_byte
     assert payload["champion_bits_per_byte"] is None
+    related = {r["prefect.resource.id"] for r in events[0]["related"]}
+    assert f"mlflow.run.{tiny_run.run_id}" in related
+    assert f"prefect.flow-run.{_flow_run_id(tiny_run.run_id)}" in related, "automations can match the run"
 
 
 def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logits(
