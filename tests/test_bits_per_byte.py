@@ -3,6 +3,7 @@ xz on those same bytes."""
 
 from __future__ import annotations
 
+import json
 import lzma
 import math
 from collections.abc import Iterator
@@ -127,8 +128,13 @@ def test_xz_is_cached_per_dataset(bpb_world: tuple) -> None:
     text = validation_text(dataset, tokenizer, max_blocks=3)
     first = xz_bits_per_byte(text)
     cached = list((home.cache_dir() / "xz").glob(f"{dataset.fingerprint}-*.json"))
-    assert cached, "xz's number is kept per dataset fingerprint"
-    assert xz_bits_per_byte(text) == first
+    assert len(cached) == 1, "xz's number is kept per dataset fingerprint"
+    record = json.loads(cached[0].read_text())
+    assert record["bits_per_byte"] == first and record["text_fingerprint"] == text.fingerprint
+    cached[0].write_text(json.dumps({**record, "bits_per_byte": 0.125}))
+    assert xz_bits_per_byte(text) == 0.125, "the second call reads the cache instead of compressing again"
+    cached[0].write_text(json.dumps({**record, "text_fingerprint": "another text"}))
+    assert xz_bits_per_byte(text) == first, "a record of another text is not used"
 
 
 def test_a_tokenizer_that_is_not_byte_level_is_refused_before_any_work(tmp_path: Path) -> None:

@@ -197,7 +197,15 @@ import json, sys, time
 from pathlib import Path
 from tasks.register import register_model
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
+from mlflow.tracking import MlflowClient
 args = json.loads(sys.argv[1])
+# A slow store: the alias moves 1 s after the compare, so the two compare-and-sets overlap (the real call
+# runs; only the window a slow server would open is made wide enough to hit every time).
+_set_alias = MlflowClient.set_registered_model_alias
+def _slow_set_alias(self, *a, **k):
+    time.sleep(1.0)
+    return _set_alias(self, *a, **k)
+MlflowClient.set_registered_model_alias = _slow_set_alias
 Path(args["ready"]).touch()
 while not Path(args["go"]).exists():
     time.sleep(0.01)
@@ -222,7 +230,8 @@ def test_two_registrations_started_together_leave_the_better_one_champion(
     """nightly and adhoc finishing together: both beat the old champion, the better must end up holding it.
 
     The second starts 0.5 s after the first, well before the first moves the alias (logging the model
-    takes seconds), so both compare against the same old champion."""
+    takes seconds), so both compare against the same old champion; each alias move takes 1 s (a slow
+    store), so without the per-model lock the later compare-and-set overwrites the earlier one."""
     name = f"llamaflow-race-{int(better_starts_first)}"
     _register(world, world.random_init, world.dataset, name)
     contenders = {"better": world.trained, "worse": world.half_trained}
