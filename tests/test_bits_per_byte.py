@@ -127,8 +127,8 @@ def test_xz_is_cached_per_dataset(bpb_world: tuple) -> None:
     tokenizer, dataset, _, _ = bpb_world
     text = validation_text(dataset, tokenizer, max_blocks=3)
     first = xz_bits_per_byte(text)
-    cached = list((home.cache_dir() / "xz").glob(f"{dataset.fingerprint}-*.json"))
-    assert len(cached) == 1, "xz's number is kept per dataset fingerprint"
+    cached = list((home.cache_dir() / "xz").glob(f"{dataset.fingerprint}-{len(text.tokens)}.json"))
+    assert len(cached) == 1, "xz's number is kept per dataset fingerprint (and scored length)"
     record = json.loads(cached[0].read_text())
     assert record["bits_per_byte"] == first and record["text_fingerprint"] == text.fingerprint
     cached[0].write_text(json.dumps({**record, "bits_per_byte": 0.125}))
