@@ -2,7 +2,7 @@
 
 `placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the
 `remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths relative
-to each side's LLAMAFLOW_HOME, the MLflow run id and tracking URI. With an MLflow server, the inputs and the
+to each side's LLAMAFLOW_HOME, the MLflow run id and the tracking URI without its credentials. With an MLflow server, the inputs and the
 final checkpoint travel as the run's artifacts when the two sides do not share a disk (flows/handoff.py);
 with a SQLite store they must share LLAMAFLOW_HOME. docs/production.md explains the set-up.
 
@@ -17,6 +17,7 @@ from flows.config import PretrainConfig
 from flows.remote_train import FLOW_TIMEOUT_S, SharedStorageError, read_result
 from tasks import home
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.tracking.store import redact_uri
 from tasks.train import train_task
 from tasks.training import TrainSettings
 
@@ -70,6 +71,28 @@ def train_where_placed(
     )
 
 
+def deployment_parameters(
+    model: ModelRef,
+    dataset: DatasetRef,
+    settings: TrainSettings,
+    run_dir: str,
+    *,
+    run_id: str | None,
+    retries: int,
+) -> dict[str, object]:
+    """The remote-train flow run's parameters. Prefect stores and shows parameters, so the MLflow store
+    goes without its credentials (the worker's environment supplies them, see flows/remote_train.py)."""
+    return {
+        "model": model,
+        "dataset": dataset,
+        "settings": settings,
+        "run_dir": home.portable(run_dir),  # under the home: the training worker's own
+        "run_id": run_id,
+        "tracking_uri": redact_uri(home.tracking_uri()),
+        "retries": retries,
+    }
+
+
 def train_on_deployment(
     deployment: str,
     model: ModelRef,
@@ -86,15 +109,7 @@ def train_on_deployment(
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
-    parameters = {
-        "model": model,
-        "dataset": dataset,
-        "settings": settings,
-        "run_dir": home.portable(run_dir),  # under the home: the training worker's own
-        "run_id": run_id,
-        "tracking_uri": home.tracking_uri(),
-        "retries": retries,
-    }
+    parameters = deployment_parameters(model, dataset, settings, run_dir, run_id=run_id, retries=retries)
     uri = home.tracking_uri()
     handoff.mark_run_dir(run_dir)
     if run_id is not None and handoff.through_server(uri):

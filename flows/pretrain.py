@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.context import FlowRunContext
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from flows.config import ConfigNote, PretrainConfig
 from flows.placement import check_placement, train_where_placed
@@ -33,8 +32,9 @@ from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
 from tasks.register import register_task
+from tasks.scoring import check_byte_level
 from tasks.tokenize import train_tokenizer_task
-from tasks.tracking import report, store
+from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
 
 
@@ -47,14 +47,15 @@ class PretrainResult(BaseModel):
     tokenizer: TokenizerRef
     dataset: DatasetRef
     metrics: dict[str, float]
-    tracking_uri: str
+    tracking_uri: str = Field(description="The MLflow store, credentials redacted")
 
 
 def _run_identity(config: PretrainConfig) -> tuple[str, str]:
     """(MLflow run name, run directory key): the flow run's name and id when there is one."""
-    ctx = FlowRunContext.get()
-    if ctx is not None and ctx.flow_run is not None:
-        return config.run_name or ctx.flow_run.name, str(ctx.flow_run.id)
+    from prefect.runtime import flow_run
+
+    if flow_run.id is not None:
+        return config.run_name or flow_run.name, str(flow_run.id)
     key = uuid.uuid4().hex
     return config.run_name or f"run-{key[:8]}", key
 
@@ -64,7 +65,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     apply_embedded_defaults()
     log = get_run_logger()
-    uri = store.use_tracking_uri()  # fails here, in seconds, when the store is unreachable
+    uri = store.check_tracking_store()  # fails here, in seconds, when the store is unreachable
     check_placement(config)
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
@@ -78,6 +79,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         text_field=config.text_field,
         tokenizer_path=config.tokenizer,
     )
+    check_byte_level(tokenizer)  # bits per byte counts the tokens' bytes: refuse before any training
     dataset = build_dataset_task(
         config.data,
         tokenizer,
@@ -90,10 +92,16 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     model = build_model_task(config.llama_config(), seed=config.seed, init_checkpoint=config.init_checkpoint)
     log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
 
-    run_id = store.start_run(config.experiment, run_name, tags=report.flow_run_tags())
+    # One flow run, one MLflow run: a retry finds its run by the flow-run tag, a rerun that resumes a
+    # checkpoint directory continues the run recorded there.
+    opened = runs.open_run(config.experiment, run_name, run_dir=run_dir, tags=runs.flow_run_tags(), uri=uri)
+    run_id = opened.run_id
+    if opened.continued:
+        log.info(f"continuing MLflow run {run_id} ({opened.continued})")
+    report.link_mlflow_run(run_id, uri)
     try:
-        store.log_params(run_id, {**config.model_dump(), "model_config": config.llama_config()})
-        store.log_dataset_input(run_id, dataset)
+        store.log_params(run_id, {**config.model_dump(), "model_config": config.llama_config()}, uri)
+        store.log_datasets(run_id, dataset, uri)
         checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
         evaluation = evaluate_task(
             checkpoint,
@@ -107,7 +115,10 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             device=config.device,
             dtype=config.dtype,
         )
-        report.log_evaluation(run_id, evaluation, checkpoint=checkpoint)
+        # Each scored checkpoint as a logged model with its validation metrics linked, then the rest.
+        checkpoints.log_checkpoint_models(run_id, evaluation, dataset, uri)
+        report.log_evaluation(run_id, evaluation, checkpoint=checkpoint, uri=uri)
+        # The store is the environment's (as here), never a task parameter: its URI may hold credentials.
         registered = register_task(
             run_id=run_id,
             checkpoint=checkpoint,
@@ -116,17 +127,21 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             eval_result=evaluation,
             model_name=config.model_name,
             alias=config.alias,
-            eval_max_blocks=config.eval_max_blocks,
-            eval_dtype=config.dtype,
             eval_device=config.device,
         )
     except BaseException as err:
         stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted)
-        store.end_run(run_id, "KILLED" if stopped else "FAILED")
+        store.end_run(run_id, "KILLED" if stopped else "FAILED", uri)
         raise
-    store.end_run(run_id, "FINISHED")
+    store.end_run(run_id, "FINISHED", uri)
 
-    metrics = {**checkpoint.metrics, "val_loss": evaluation.val_loss, "val_perplexity": evaluation.perplexity}
+    metrics = {
+        **checkpoint.metrics,
+        "bits_per_byte": evaluation.bits_per_byte,
+        "xz_bits_per_byte": evaluation.xz_bits_per_byte,
+        "val_loss": evaluation.val_loss,
+        "val_perplexity": evaluation.perplexity,
+    }
     result = PretrainResult(
         run_id=run_id,
         model_uri=registered.uri,
@@ -136,33 +151,59 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         tokenizer=tokenizer,
         dataset=dataset,
         metrics=metrics,
-        tracking_uri=uri,
+        tracking_uri=store.redact_uri(uri),
     )
     report.publish_summary(result.model_dump(mode="json"))
     _print_summary(result)
     return result
 
 
+def summary_lines(
+    *,
+    bits_per_byte: float,
+    xz_bits_per_byte: float,
+    val_loss: float,
+    initial_bits_per_byte: float | None = None,
+    initial_val_loss: float | None = None,
+) -> list[str]:
+    """The headline: bits per byte against xz on the same text, then the loss per token."""
+    relative = 1 - bits_per_byte / xz_bits_per_byte
+    versus = f"{relative:.0%} below xz" if relative >= 0 else f"{-relative:.0%} above xz"
+    first = f"validation: {bits_per_byte:.3f} bits per byte (xz -9e: {xz_bits_per_byte:.3f}), {versus}"
+    if initial_bits_per_byte is not None:
+        first += f"; {initial_bits_per_byte:.3f} before training"
+    loss = f"{val_loss:.3f} nats/token"
+    if initial_val_loss is not None:
+        loss = f"{initial_val_loss:.3f} before training → {loss}"
+    return [first, f"validation loss: {loss}"]
+
+
 def _print_summary(result: PretrainResult) -> None:
     ev = result.evaluation
     lines = ["", "=" * 72]
-    if ev.initial_val_loss is not None:
-        lines.append(f"validation loss: {ev.initial_val_loss:.3f} before training → {ev.val_loss:.3f} after")
-    else:
-        lines.append(f"validation loss: {ev.val_loss:.3f}")
+    lines += summary_lines(
+        bits_per_byte=ev.bits_per_byte,
+        xz_bits_per_byte=ev.xz_bits_per_byte,
+        val_loss=ev.val_loss,
+        initial_bits_per_byte=ev.initial_bits_per_byte,
+        initial_val_loss=ev.initial_val_loss,
+    )
     lines.append(
         f"perplexity: {ev.perplexity:.1f}   steps: {result.checkpoint.step}   "
-        f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}"
+        f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}   "
+        f"scored: {ev.scored_bytes:,} bytes of validation text"
     )
-    verdict = "now holds" if result.registered.promoted else "stays with the previous version; not moved to"
-    lines.append(f"registered: {result.model_uri}  ({verdict} @{result.registered.alias})")
+    reg = result.registered
+    verdict = "now holds" if reg.promoted else "stays with the previous version; not moved to"
+    versus = (
+        f", champion had {reg.champion_bits_per_byte:.3f} bits per byte" if reg.champion_bits_per_byte else ""
+    )
+    lines.append(f"registered: {result.model_uri}  ({verdict} @{reg.alias}{versus})")
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
-    lines.append(f"look next: {store.run_link(result.run_id, result.tracking_uri)}")
+    lines.append(f"look next: {store.run_link(result.run_id)}")
     lines.append(f"stored:    {describe_locations()}")
-    lines.append(
-        f"load it:   mlflow.pyfunc.load_model('models:/{result.registered.name}@{result.registered.alias}')"
-    )
+    lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{reg.name}@{reg.alias}')")
     lines.append("=" * 72)
     print("\n".join(lines))
 

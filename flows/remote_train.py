@@ -62,6 +62,22 @@ def read_result(run_dir: str | Path, flow_run_id: str) -> CheckpointRef:
     return CheckpointRef.model_validate(payload["checkpoint"])
 
 
+def resolve_tracking_uri(given: str | None) -> str | None:
+    """The store the parent opened the run in. The parent passes it with its credentials redacted (Prefect
+    stores and shows flow-run parameters); this worker's own MLFLOW_TRACKING_URI supplies them."""
+    own = os.environ.get("MLFLOW_TRACKING_URI")
+    if given is None or "***" not in given:
+        return given or own
+    if own and store.redact_uri(own) == given:
+        return own
+    raise SharedStorageError(
+        f"the pretrain flow's MLflow store is {given}; its credentials never travel as a parameter. Set "
+        "MLFLOW_TRACKING_URI, with them, in this worker's environment (the work pool's job variables, or "
+        "the worker's service definition), or put them in MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD "
+        "beside a URI without them"
+    )
+
+
 @contextmanager
 def _tracking_uri(uri: str | None) -> Iterator[None]:
     """Metrics go to the store the parent opened the run in, whatever this worker's default is."""
@@ -91,8 +107,9 @@ def _check_inputs(
             store.run_status(run_id, tracking_uri)
         except Exception as err:  # MLflow raises its own exception types per store
             raise SharedStorageError(
-                f"MLflow run {run_id} is not in the tracking store {tracking_uri}: the worker must reach "
-                f"the pretrain flow's store (an MLflow server both can reach; MLFLOW_TRACKING_URI): {err}"
+                f"MLflow run {run_id} is not in the tracking store {store.redact_uri(tracking_uri)}: the worker "
+                "must reach the pretrain flow's store (an MLflow server both can reach; MLFLOW_TRACKING_URI): "
+                f"{store.redact_error(err, tracking_uri)}"
             ) from err
     missing = [p for p in (Path(model.path), Path(dataset.path)) if not p.exists()]
     if not missing:
@@ -119,6 +136,7 @@ def remote_train(
     """Train `model` on `dataset` in `run_dir` (under `$LLAMAFLOW_HOME`: this worker's home); retries resume
     from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py)."""
     apply_embedded_defaults()
+    tracking_uri = resolve_tracking_uri(tracking_uri)
     run_dir = home.local(run_dir)  # `$LLAMAFLOW_HOME/runs/...`: in this worker's home
     fetched = _check_inputs(model, dataset, run_id, tracking_uri)
     if fetched:

@@ -1,9 +1,15 @@
-"""evaluate: held-out loss and perplexity of a checkpoint, plus a few generated samples."""
+"""evaluate: bits per byte of the validation text (and loss per token), xz's bits per byte on the same
+bytes, and a few generated samples.
+
+Every token of the validation text (`tasks.scoring`) is predicted once, in blocks of `seq_len` targets,
+each block seeing the token before it; the loss summed over them, in bits, over the text's exact UTF-8
+bytes is bits per byte. `rescore` scores a model with another tokenizer on the same text, so models with
+different vocabularies compare.
+"""
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +19,9 @@ from prefect import task
 from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, generate, load_pretrained
-from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ModelRef, TokenizerRef
+from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
+from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
+from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
 from tasks.training.precision import autocast
 
@@ -21,43 +29,86 @@ SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name
 
 
 @torch.no_grad()
-def mean_token_loss(
+def stream_loss(
     model: torch.nn.Module,
-    blocks_path: str | os.PathLike[str],
+    tokens: np.ndarray,
     *,
-    pad_id: int,
-    max_blocks: int | None = None,
+    context_id: int,
+    seq_len: int,
     batch_size: int = 16,
     device: str | torch.device = "cpu",
     dtype: str = "bf16",
 ) -> float:
-    """Mean cross-entropy per target token over the first `max_blocks` packed blocks (PAD ignored).
-
-    The sum over all tokens divided by their count, so every token weighs the same whatever the batch.
-    """
+    """Summed cross-entropy (nats) of predicting each of `tokens` once: blocks of `seq_len` targets, each
+    block's inputs starting with the token before its first target (`context_id` for the very first)."""
     device = torch.device(device)
-    blocks = np.load(Path(blocks_path), mmap_mode="r", allow_pickle=False)
-    n = len(blocks) if max_blocks is None else min(max_blocks, len(blocks))
+    n = len(tokens)
     if n == 0:
-        raise ValueError(f"{blocks_path} holds no blocks: nothing to evaluate")
+        raise ScoringError("no tokens to score")
+    rows = -(-n // seq_len)
+    sequence = np.full(rows * seq_len + 1, context_id, dtype=np.int64)
+    sequence[1 : n + 1] = tokens
+    inputs = torch.from_numpy(sequence[:-1].reshape(rows, seq_len))
+    targets = torch.from_numpy(sequence[1:].reshape(rows, seq_len).copy())
+    targets.view(-1)[n:] = -100  # the last block's padding
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
-    for start in range(0, n, batch_size):
-        batch = torch.from_numpy(np.asarray(blocks[start : min(start + batch_size, n)]).astype(np.int64)).to(
-            device
-        )
-        inputs, targets = batch[:, :-1], batch[:, 1:].clone()
-        targets[targets == pad_id] = -100
+    total = 0.0
+    for start in range(0, rows, batch_size):
+        x, y = inputs[start : start + batch_size].to(device), targets[start : start + batch_size].to(device)
         with autocast(device, dtype):
-            logits = model(inputs)
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
-        )
-        total += loss.item()
-        count += int((targets != -100).sum())
+            logits = model(x)
+        total += F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"
+        ).item()
     model.train(was_training)
-    return total / count
+    return total
+
+
+def score_text(
+    model: torch.nn.Module, text: ValidationText, *, seq_len: int, device: torch.device, dtype: str
+) -> tuple[float, float]:
+    """(mean loss per token in nats, bits per byte) of `model` on the validation text in its own tokens."""
+    nats = stream_loss(
+        model, text.tokens, context_id=text.context_id, seq_len=seq_len, device=device, dtype=dtype
+    )
+    return nats / len(text.tokens), nats / math.log(2) / len(text.text)
+
+
+def rescore(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    token_ids: dict[str, int],
+    text: ValidationText,
+    *,
+    seq_len: int,
+    device: torch.device,
+    dtype: str,
+) -> float:
+    """Bits per byte of a model with its own tokenizer (special ids `token_ids`) on the validation text.
+
+    Its documents are encoded with that tokenizer and joined with its EOS as ours were; the tokenizer must
+    spell the text back exactly, or the bytes would not be the same (ScoringError).
+    """
+    if "eos_id" not in token_ids:
+        raise ScoringError("its model_config names no eos_id, which separates the documents")
+    eos = int(token_ids["eos_id"])
+    specials = {"eos": eos, "bos": int(token_ids.get("bos_id", eos))}
+    ids: list[int] = []
+    for kind, piece in text.documents():
+        if kind != "text":
+            ids.append(specials[kind])
+            continue
+        encoded = tokenizer.encode(piece, add_special_tokens=False).ids
+        if tokenizer.decode(encoded, skip_special_tokens=False) != piece:
+            raise ScoringError("its tokenizer does not reproduce the validation text exactly")
+        ids.extend(encoded)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and max(ids) >= vocab:
+        raise ScoringError(f"its tokenizer emits id {max(ids)} beyond the model's {vocab} embeddings")
+    tokens = np.asarray(ids, dtype=np.int64)
+    nats = stream_loss(model, tokens, context_id=eos, seq_len=seq_len, device=device, dtype=dtype)
+    return nats / math.log(2) / len(text.text)
 
 
 @torch.no_grad()
@@ -116,15 +167,27 @@ def evaluate(
     device: str = "auto",
     dtype: str = "bf16",
 ) -> EvalResult:
-    """Validation loss and perplexity of the trained weights (and of the initial ones, for contrast)."""
+    """Bits per byte and loss of the trained weights on the first `max_blocks` validation blocks' text (and
+    of the initial ones, for contrast, and of the earlier checkpoints kept in the run directory), xz's bits
+    per byte on the same bytes, and samples."""
     dev = resolve_device(device)
-    val_path = Path(dataset.path) / "val.npy"
-    kwargs = {"pad_id": tokenizer.pad_id, "max_blocks": max_blocks, "device": dev, "dtype": dtype}
-    initial_loss = None
+    text = validation_text(dataset, tokenizer, max_blocks)
+    kwargs = {"seq_len": dataset.seq_len, "device": dev, "dtype": dtype}
+    initial_loss = initial_bpb = None
     if initial_model is not None:
-        initial_loss = mean_token_loss(load_pretrained(initial_model.path, device=dev), val_path, **kwargs)
+        initial_loss, initial_bpb = score_text(
+            load_pretrained(initial_model.path, device=dev), text, **kwargs
+        )
     model = load_pretrained(checkpoint.path, device=dev).eval()
-    val_loss = mean_token_loss(model, val_path, **kwargs)
+    val_loss, bits_per_byte = score_text(model, text, **kwargs)
+    scores = [
+        CheckpointScore(
+            step=checkpoint.step, path=checkpoint.path, val_loss=val_loss, bits_per_byte=bits_per_byte
+        )
+    ]
+    for step, path in earlier_checkpoints(checkpoint):
+        loss, bpb = score_text(load_pretrained(path, device=dev), text, **kwargs)
+        scores.append(CheckpointScore(step=step, path=str(path), val_loss=loss, bits_per_byte=bpb))
     samples = generate_samples(
         model,
         Tokenizer.from_file(tokenizer.path),
@@ -138,9 +201,28 @@ def evaluate(
     return EvalResult(
         val_loss=val_loss,
         perplexity=math.exp(min(val_loss, 50.0)),
+        bits_per_byte=bits_per_byte,
+        xz_bits_per_byte=xz_bits_per_byte(text),
+        scored_tokens=len(text.tokens),
+        scored_bytes=len(text.text),
+        text_fingerprint=text.fingerprint,
+        dataset_fingerprint=dataset.fingerprint,
+        max_blocks=max_blocks,
+        dtype=dtype,
         initial_val_loss=initial_loss,
+        initial_bits_per_byte=initial_bpb,
         samples=tuple(samples),
+        checkpoints=tuple(sorted(scores, key=lambda score: score.step)),
     )
+
+
+def earlier_checkpoints(checkpoint: CheckpointRef) -> list[tuple[int, Path]]:
+    """The valid checkpoints kept in the run directory before the final one (`keep_checkpoints`)."""
+    return [
+        (step, path)
+        for step, path in checkpoint_dirs(Path(checkpoint.run_dir))
+        if step < checkpoint.step and is_valid(path)
+    ]
 
 
 evaluate_task = task(evaluate, name="evaluate")

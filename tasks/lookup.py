@@ -68,15 +68,19 @@ def resolve_version(uri: str, tracking_uri: str | None = None) -> ModelVersion:
 
 
 def download_model_files(uri: str, dst: str | Path, tracking_uri: str | None = None) -> ModelFiles:
-    """Download the pyfunc model behind `uri` into `dst` and locate its artifacts."""
+    """Download the pyfunc model behind `uri` into `dst` and locate its artifacts (from the store at
+    `tracking_uri`; MLflow's process-wide tracking URI is neither read nor changed)."""
     import mlflow
     from mlflow.models import Model
 
-    tracking_uri = store.use_tracking_uri(tracking_uri)
+    tracking_uri = store.check_tracking_store(tracking_uri)
     version = resolve_version(uri, tracking_uri)
+    # Where the version's files are, asked through our client: MLflow's `models:/` artifact repository
+    # resolves the name through the process-wide registry URI, whatever store it is given.
+    location = store.get_client(tracking_uri).get_model_version_download_uri(version.name, version.version)
     local = Path(
         mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{version.name}/{version.version}", dst_path=str(dst)
+            artifact_uri=location, dst_path=str(dst), tracking_uri=tracking_uri
         )
     )
     pyfunc = Model.load(local).flavors.get("python_function", {})
@@ -93,7 +97,7 @@ def download_model_files(uri: str, dst: str | Path, tracking_uri: str | None = N
         weights=local / artifacts["weights"]["path"],
         tokenizer=local / artifacts["tokenizer"]["path"],
         config=local / artifacts["config"]["path"],
-        token_ids=dict(pyfunc.get("model_config") or {}),
+        token_ids=dict(pyfunc.get("config") or {}),  # the pyfunc's model_config, as MLmodel stores it
     )
 
 

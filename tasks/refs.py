@@ -66,11 +66,35 @@ class CheckpointRef(_Ref):
     )
 
 
-class EvalResult(_Ref):
+class CheckpointScore(_Ref):
+    """One checkpoint of the run scored on the validation text (the final one and those kept before it)."""
+
+    step: int
+    path: HomePath = Field(description="The checkpoint directory (model.safetensors + config.json inside)")
     val_loss: float
+    bits_per_byte: float
+
+
+class EvalResult(_Ref):
+    """What evaluation measured on the validation text (`tasks.scoring`): the text's first
+    `max_blocks * seq_len` tokens of the dataset's validation split, in `dtype`."""
+
+    val_loss: float = Field(description="Mean loss per scored token (nats)")
     perplexity: float
+    bits_per_byte: float = Field(description="Summed loss in bits over the scored text's UTF-8 bytes")
+    xz_bits_per_byte: float = Field(description="xz -9e on the same bytes")
+    scored_tokens: int
+    scored_bytes: int
+    text_fingerprint: str = Field(description="Of the scored text: equal fingerprints, same text")
+    dataset_fingerprint: str
+    max_blocks: int
+    dtype: str
     initial_val_loss: float | None = None
+    initial_bits_per_byte: float | None = None
     samples: tuple[tuple[str, str], ...] = ()
+    checkpoints: tuple[CheckpointScore, ...] = Field(
+        (), description="Every valid checkpoint left in the run directory, scored the same way, oldest first"
+    )
 
 
 class RegisteredModel(_Ref):
@@ -80,4 +104,8 @@ class RegisteredModel(_Ref):
     alias: str
     promoted: bool
     run_id: str
-    champion_val_loss: float | None = None
+    bits_per_byte: float
+    champion_bits_per_byte: float | None = Field(
+        None, description="The previous champion's bits per byte on the same validation text, if comparable"
+    )
+    champion_version: str | None = None

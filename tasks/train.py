@@ -76,13 +76,19 @@ def train(
     run_id: str | None = None,
     log_interval_s: float = 15.0,
 ) -> CheckpointRef:
-    """Train `model` on `dataset` in `run_dir` (resuming what it holds); metrics go to MLflow run `run_id`."""
+    """Train `model` on `dataset` in `run_dir` (resuming what it holds); metrics go to MLflow run `run_id`.
+
+    The run id is kept in `run_dir` beside the checkpoints, so a rerun that resumes them continues the
+    same MLflow run (`tasks.tracking.runs`); the sink fills in the steps MLflow missed before a kill.
+    """
     sinks: list[MetricSink] = [PrefectProgress(settings.max_steps, log_interval_s)]
     mlflow_sink, monitor = None, None
     if run_id is not None:
+        from tasks.tracking.runs import write_run_record
         from tasks.tracking.sink import MlflowSink, start_system_metrics
 
-        mlflow_sink = MlflowSink(run_id)
+        write_run_record(run_dir, run_id)
+        mlflow_sink = MlflowSink(run_id, run_dir=run_dir)
         sinks.append(mlflow_sink)
         monitor = start_system_metrics(run_id)
     try:

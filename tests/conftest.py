@@ -45,6 +45,18 @@ def session_dir() -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _no_mlflow_default_store_in_the_working_directory():
+    """MLflow's own default store is `sqlite:///<cwd>/mlflow.db`: a call that reaches MLflow without our
+    store URI (a missing `tracking_uri=`, the process-wide default) creates it there. Fail the test that did."""
+    stray = Path.cwd() / "mlflow.db"
+    existed = stray.exists()
+    yield
+    if not existed and stray.exists():
+        stray.unlink()
+        pytest.fail(f"{stray} was created: something used MLflow's default tracking store instead of ours")
+
+
+@pytest.fixture(autouse=True)
 def _no_stale_mlflow_tracking_uri():
     """`mlflow.set_tracking_uri` is process-wide and writes MLFLOW_TRACKING_URI: undo it after each test."""
     import sys

@@ -1,156 +1,78 @@
-"""Registration, promotion, lookup and the pyfunc, on a real MLflow store (SQLite) and a real server.
-
-The fixture world is small but real: a BPE tokenizer trained on a few KB of stdlib source, packed
-blocks per the dataset contract, a `tiny` Llama at random init and the same one after 40 AdamW steps.
-"""
+"""Registration, promotion, lookup and the pyfunc on a real MLflow store (SQLite); the server case is in
+test_register_server.py. The fixture world is in registry_world.py."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import mlflow
 import pytest
 import torch
-import torch.nn.functional as F
+import yaml
+from registry_world import (
+    EOS_ID,
+    PAD_ID,
+    SEQ_LEN,
+    VOCAB,
+    World,
+    build_world,
+    mlmodel_absolute_paths,
+    new_run,
+    one_thread,
+    score,
+)
+from registry_world import sqlite_store as sqlite_store_at
 from tokenizers import Tokenizer
 
-from model import LlamaConfig, LlamaForPretraining, get_preset, load_pretrained, save_weights
+from model import LlamaForPretraining, load_pretrained
 from tasks import register
-from tasks.dataset import build_dataset
-from tasks.evaluate import mean_token_loss
 from tasks.lookup import load_model, parse_model_uri
-from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
-from tasks.tokenize import train_tokenizer
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel
 from tasks.tracking import store as tracking_store
-from tasks.tracking.report import training_curves_figure
-from tasks.tracking.sink import MlflowSink
 
-SEQ_LEN = 64
-VOCAB = 384
-PAD_ID, BOS_ID, EOS_ID = 2, 0, 1
-
-
-# --------------------------------------------------------------------------------------------------
-# The fixture world: tokenizer, two packed datasets, three checkpoints
-
-
-def _stdlib_text(names: tuple[str, ...], limit: int) -> list[str]:
-    root = Path(os.__file__).parent
-    return [(root / name).read_text(encoding="utf-8")[:limit] for name in names]
-
-
-def _corpus(root: Path, name: str, texts: list[str]) -> str:
-    directory = root / name
-    directory.mkdir(parents=True)
-    for i, text in enumerate(texts):
-        (directory / f"doc{i}.py").write_text(text)
-    return str(directory)
-
-
-def _checkpoint(directory: Path, model: LlamaForPretraining) -> CheckpointRef:
-    directory.mkdir(parents=True)
-    save_weights(model, directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(model.config.to_dict()))
-    return CheckpointRef(path=str(directory), run_dir=str(directory.parent), step=0, tokens_seen=0)
-
-
-def _config() -> LlamaConfig:
-    return get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=128)
-
-
-def _train(model: LlamaForPretraining, dataset: DatasetRef, steps: int) -> None:
-    blocks = torch.from_numpy(np.load(Path(dataset.path) / "train.npy").astype(np.int64))
-    generator = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        batch = blocks[torch.randint(len(blocks), (8,), generator=generator)]
-        targets = batch[:, 1:].masked_fill(batch[:, 1:] == PAD_ID, -100)
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), targets.flatten(), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-
-
-def _val_loss(checkpoint: CheckpointRef, dataset: DatasetRef, max_blocks: int | None = None) -> float:
-    model = load_pretrained(checkpoint.path).eval()
-    return mean_token_loss(model, Path(dataset.path) / "val.npy", pad_id=PAD_ID, max_blocks=max_blocks)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # The tiny model runs ~20x slower on 2 threads than on 1 when other processes share the 2 cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@dataclass(frozen=True)
-class World:
-    tokenizer: TokenizerRef
-    dataset: DatasetRef
-    other_dataset: DatasetRef
-    random_init: CheckpointRef
-    other_init: CheckpointRef
-    trained: CheckpointRef
+REPO = Path(register.__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    root = tmp_path_factory.mktemp("register-world")
-    texts = _stdlib_text(("textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py"), 6000)
-    a_train, a_val = _corpus(root, "a-train", texts[:4]), _corpus(root, "a-val", texts[4:])
-    tokenizer = train_tokenizer(a_train, VOCAB, val_data=a_val)
-    dataset = build_dataset(a_train, tokenizer, SEQ_LEN, val_data=a_val, keep_remainder=True)
-    b_train, b_val = _corpus(root, "b-train", texts[1:]), _corpus(root, "b-val", texts[:1])
-    other = build_dataset(b_train, tokenizer, SEQ_LEN, val_data=b_val, keep_remainder=True)
-    torch.manual_seed(0)
-    model = LlamaForPretraining(_config())
-    random_init = _checkpoint(root / "random-init", model)
-    torch.manual_seed(1)
-    other_init = _checkpoint(root / "other-init", LlamaForPretraining(_config()))
-    _train(model, dataset, steps=40)
-    trained = _checkpoint(root / "trained", model)
-    return World(tokenizer, dataset, other, random_init, other_init, trained)
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    with one_thread():
+        yield build_world(tmp_path_factory.mktemp("register-world"))
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One SQLite store for the module; tests use distinct model names within it."""
-    root = tmp_path_factory.mktemp("sqlite-store")
-    uri = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LLAMAFLOW_MLRUNS", str(root / "mlruns"))
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
+    with sqlite_store_at(tmp_path_factory.mktemp("sqlite-store")) as uri:
         yield uri
 
 
 def _register(
-    world: World, checkpoint: CheckpointRef, dataset: DatasetRef, name: str, max_blocks: int = 256
-) -> register.RegisteredModel:
-    run_id = tracking_store.start_run("register-tests", run_name=Path(checkpoint.path).name)
-    loss = _val_loss(checkpoint, dataset, max_blocks)
+    world: World,
+    checkpoint: CheckpointRef,
+    dataset: DatasetRef,
+    name: str,
+    max_blocks: int = 256,
+    tokenizer=None,
+    **kwargs,
+) -> RegisteredModel:
+    tokenizer = tokenizer or world.tokenizer
+    run_id = new_run(Path(checkpoint.path).name)
     result = register.register_model(
         run_id=run_id,
         checkpoint=checkpoint,
-        tokenizer=world.tokenizer,
+        tokenizer=tokenizer,
         dataset=dataset,
-        eval_result=EvalResult(val_loss=loss, perplexity=float(np.exp(loss))),
+        eval_result=score(checkpoint, dataset, tokenizer, max_blocks),
         model_name=name,
-        eval_max_blocks=max_blocks,
         eval_device="cpu",
+        **kwargs,
     )
     tracking_store.end_run(run_id)
     return result
@@ -162,12 +84,8 @@ def _logits(model: LlamaForPretraining) -> torch.Tensor:
         return model(ids)
 
 
-# --------------------------------------------------------------------------------------------------
-# SQLite store
-
-
 @pytest.fixture(scope="module")
-def registered(world: World, store: str) -> dict[str, register.RegisteredModel]:
+def registered(world: World, sqlite_store: str) -> dict[str, RegisteredModel]:
     """random init (champion) → trained (better, takes it) → other init (worse, does not)."""
     first = _register(world, world.random_init, world.dataset, "llamaflow-test")
     better = _register(world, world.trained, world.dataset, "llamaflow-test")
@@ -175,64 +93,218 @@ def registered(world: World, store: str) -> dict[str, register.RegisteredModel]:
     return {"first": first, "better": better, "worse": worse}
 
 
-def test_only_better_models_take_the_alias(
-    world: World, registered: dict[str, register.RegisteredModel]
-) -> None:
+def test_only_better_models_take_the_alias(world: World, registered: dict[str, RegisteredModel]) -> None:
     client = tracking_store.get_client()
     first, better, worse = registered["first"], registered["better"], registered["worse"]
     assert (first.version, better.version, worse.version) == ("1", "2", "3")
-    assert first.promoted and first.champion_val_loss is None
+    assert first.promoted and first.champion_bits_per_byte is None
     assert better.promoted and worse.promoted is False
     assert str(client.get_model_version_by_alias("llamaflow-test", "champion").version) == "2"
 
-    loss_init = _val_loss(world.random_init, world.dataset)
-    loss_trained = _val_loss(world.trained, world.dataset)
-    loss_other = _val_loss(world.other_init, world.dataset)
-    assert loss_trained < loss_init - 0.3, "40 training steps should clearly beat random init"
+    bpb_init = score(world.random_init, world.dataset, world.tokenizer).bits_per_byte
+    bpb_trained = score(world.trained, world.dataset, world.tokenizer).bits_per_byte
+    bpb_other = score(world.other_init, world.dataset, world.tokenizer).bits_per_byte
+    assert bpb_trained < bpb_init - 0.3, "40 training steps should clearly beat random init"
+    assert better.bits_per_byte == bpb_trained and better.champion_bits_per_byte == bpb_init
 
     tags = {v: client.get_model_version("llamaflow-test", v).tags for v in ("1", "2", "3")}
     assert tags["1"][register.TAG_PROMOTED] == "true"
-    assert tags["1"][register.TAG_CHAMPION_VAL_LOSS] == "none"
+    assert tags["1"][register.TAG_CHAMPION_BITS_PER_BYTE] == "none"
     assert tags["2"][register.TAG_PROMOTED] == "true"
-    assert float(tags["2"][register.TAG_VAL_LOSS]) == pytest.approx(loss_trained)
-    assert float(tags["2"][register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(loss_init)
+    assert float(tags["2"][register.TAG_BITS_PER_BYTE]) == bpb_trained
+    assert float(tags["2"][register.TAG_CHAMPION_BITS_PER_BYTE]) == bpb_init
     assert tags["2"][register.TAG_CHAMPION_VERSION] == "1"
     assert tags["3"][register.TAG_PROMOTED] == "false"
-    assert float(tags["3"][register.TAG_VAL_LOSS]) == pytest.approx(loss_other)
-    assert float(tags["3"][register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(loss_trained)
-    assert tags["3"][register.TAG_COMPARISON] == "recorded on the same dataset with the same eval method"
+    assert float(tags["3"][register.TAG_BITS_PER_BYTE]) == bpb_other
+    assert float(tags["3"][register.TAG_CHAMPION_BITS_PER_BYTE]) == bpb_trained
+    assert tags["3"][register.TAG_COMPARISON] == "recorded on the same validation text"
     assert all(t[register.TAG_DATASET] == world.dataset.fingerprint for t in tags.values())
 
     description = client.get_model_version("llamaflow-test", "3").description
     assert "did not take 'champion' from version 2" in description
-    assert f"{loss_other:.4f}" in description and f"{loss_trained:.4f}" in description
+    assert f"{bpb_other:.4f}" in description and f"{bpb_trained:.4f}" in description
     assert client.get_run(better.run_id).data.tags["llamaflow.registered_version"] == "llamaflow-test/2"
     # Aliases only: no version is ever moved to a stage.
     assert {client.get_model_version("llamaflow-test", v).current_stage for v in ("1", "2", "3")} == {"None"}
 
 
-def test_champion_is_reevaluated_on_other_validation_data(world: World, store: str) -> None:
-    champion = _register(world, world.trained, world.dataset, "llamaflow-reeval")
-    # The trained model's loss on data-b's val (seen in its training data) vs random init on it.
-    challenger = _register(world, world.random_init, world.other_dataset, "llamaflow-reeval")
+def test_champion_is_rescored_on_other_validation_text(world: World, sqlite_store: str) -> None:
+    champion = _register(world, world.trained, world.dataset, "llamaflow-rescore")
+    # The trained model on data-b's validation text (seen in its training data) vs random init on it.
+    challenger = _register(world, world.random_init, world.other_dataset, "llamaflow-rescore")
     assert champion.promoted and not challenger.promoted
-    tags = tracking_store.get_client().get_model_version("llamaflow-reeval", challenger.version).tags
-    expected = _val_loss(world.trained, world.other_dataset)
-    assert float(tags[register.TAG_CHAMPION_VAL_LOSS]) == pytest.approx(expected, rel=1e-6)
-    assert challenger.champion_val_loss == pytest.approx(expected, rel=1e-6)
-    assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
+    tags = tracking_store.get_client().get_model_version("llamaflow-rescore", challenger.version).tags
+    expected = score(world.trained, world.other_dataset, world.tokenizer).bits_per_byte
+    assert float(tags[register.TAG_CHAMPION_BITS_PER_BYTE]) == pytest.approx(expected, rel=1e-6)
+    assert challenger.champion_bits_per_byte == pytest.approx(expected, rel=1e-6)
+    assert tags[register.TAG_COMPARISON].startswith("champion re-scored on this validation text")
     assert tags[register.TAG_DATASET] == world.other_dataset.fingerprint
 
-    # Same dataset as the champion's but fewer eval blocks: its recorded number is not comparable.
-    fewer = _register(world, world.random_init, world.dataset, "llamaflow-reeval", max_blocks=4)
-    tags = tracking_store.get_client().get_model_version("llamaflow-reeval", fewer.version).tags
-    assert fewer.champion_val_loss == pytest.approx(_val_loss(world.trained, world.dataset, 4), rel=1e-6)
-    assert tags[register.TAG_COMPARISON].startswith("champion re-evaluated on dataset")
-    assert tags[register.TAG_EVAL_METHOD] == register.eval_method(4, "bf16")
+    # Same dataset as the champion's but fewer scored blocks: another text, so its number is not reused.
+    fewer = _register(world, world.random_init, world.dataset, "llamaflow-rescore", max_blocks=2)
+    expected = score(world.trained, world.dataset, world.tokenizer, 2).bits_per_byte
+    assert fewer.champion_bits_per_byte == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_champion_with_another_vocabulary_is_compared_in_bits_per_byte_and_replaced(
+    world: World, sqlite_store: str
+) -> None:
+    name = "llamaflow-vocab"
+    other = {"tokenizer": world.other_tokenizer}
+    # The champion was scored on the first 2 blocks of its own tokens only: another text than ours.
+    champion = _register(
+        world, world.other_vocab_init, world.other_vocab_dataset, name, max_blocks=2, **other
+    )
+    challenger = _register(world, world.trained, world.dataset, name)
+    assert champion.promoted and challenger.promoted
+    client = tracking_store.get_client()
+    assert str(client.get_model_version_by_alias(name, "champion").version) == challenger.version
+    tags = client.get_model_version(name, challenger.version).tags
+    assert tags[register.TAG_COMPARISON].startswith("champion re-scored on this validation text")
+    # Both datasets hold the whole of the same validation file, so our validation text is also the whole of
+    # the champion's split: re-scored with its own tokenizer, it gets what evaluate gives it there.
+    expected = score(world.other_vocab_init, world.other_vocab_dataset, world.other_tokenizer).bits_per_byte
+    assert challenger.champion_bits_per_byte == pytest.approx(expected, rel=1e-6)
+    assert challenger.bits_per_byte < challenger.champion_bits_per_byte
+
+    # The same text in other tokens has the same fingerprint: the recorded number is compared directly.
+    third = _register(world, world.other_vocab_init, world.other_vocab_dataset, name, **other)
+    tags = client.get_model_version(name, third.version).tags
+    assert tags[register.TAG_COMPARISON] == "recorded on the same validation text"
+    assert third.champion_bits_per_byte == challenger.bits_per_byte and not third.promoted
+
+
+def test_registering_a_run_again_returns_its_version(world: World, sqlite_store: str) -> None:
+    """A flow-run retry after the registration step must not register a second version."""
+    run_id = new_run("twice")
+    kwargs = dict(
+        run_id=run_id,
+        checkpoint=world.half_trained,
+        tokenizer=world.tokenizer,
+        dataset=world.dataset,
+        eval_result=score(world.half_trained, world.dataset, world.tokenizer),
+        model_name="llamaflow-twice",
+        eval_device="cpu",
+    )
+    first = register.register_model(**kwargs)
+    again = register.register_model(**kwargs)
+    assert again == first
+    assert len(tracking_store.get_client().search_model_versions("name='llamaflow-twice'")) == 1
+
+
+_RACER = """
+import json, sys, time
+from pathlib import Path
+from tasks.register import register_model
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
+from mlflow.tracking import MlflowClient
+args = json.loads(sys.argv[1])
+# A slow store: the alias moves 1 s after the compare, so the two compare-and-sets overlap (the real call
+# runs; only the window a slow server would open is made wide enough to hit every time).
+_set_alias = MlflowClient.set_registered_model_alias
+def _slow_set_alias(self, *a, **k):
+    time.sleep(1.0)
+    return _set_alias(self, *a, **k)
+MlflowClient.set_registered_model_alias = _slow_set_alias
+Path(args["ready"]).touch()
+while not Path(args["go"]).exists():
+    time.sleep(0.01)
+time.sleep(args["delay_s"])
+result = register_model(
+    run_id=args["run_id"],
+    checkpoint=CheckpointRef.model_validate(args["checkpoint"]),
+    tokenizer=TokenizerRef.model_validate(args["tokenizer"]),
+    dataset=DatasetRef.model_validate(args["dataset"]),
+    eval_result=EvalResult.model_validate(args["eval_result"]),
+    model_name=args["model_name"],
+    eval_device="cpu",
+)
+print("RESULT" + result.model_dump_json())
+"""
+
+
+@pytest.mark.parametrize("better_starts_first", [True, False])
+def test_two_registrations_started_together_leave_the_better_one_champion(
+    world: World, sqlite_store: str, tmp_path: Path, better_starts_first: bool
+) -> None:
+    """nightly and adhoc finishing together: both beat the old champion, the better must end up holding it.
+
+    The second starts 0.5 s after the first, well before the first moves the alias (logging the model
+    takes seconds), so both compare against the same old champion; each alias move takes 1 s (a slow
+    store), so without the per-model lock the later compare-and-set overwrites the earlier one."""
+    name = f"llamaflow-race-{int(better_starts_first)}"
+    _register(world, world.random_init, world.dataset, name)
+    contenders = {"better": world.trained, "worse": world.half_trained}
+    delays = {"better": 0.0, "worse": 0.5} if better_starts_first else {"better": 0.5, "worse": 0.0}
+    go = tmp_path / "go"
+    procs = {}
+    for label, checkpoint in contenders.items():
+        args = {
+            "ready": str(tmp_path / f"ready-{label}"),
+            "go": str(go),
+            "delay_s": delays[label],
+            "run_id": new_run(label),
+            "checkpoint": checkpoint.model_dump(),
+            "tokenizer": world.tokenizer.model_dump(),
+            "dataset": world.dataset.model_dump(),
+            "eval_result": score(checkpoint, world.dataset, world.tokenizer).model_dump(),
+            "model_name": name,
+        }
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        procs[label] = subprocess.Popen(
+            [sys.executable, "-c", _RACER, json.dumps(args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{label}").exists() for label in contenders):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+        time.sleep(0.05)
+    go.touch()
+    results = {}
+    for label, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        results[label] = RegisteredModel.model_validate_json(out.split("RESULT", 1)[1])
+    champion = tracking_store.get_client().get_model_version_by_alias(name, "champion")
+    assert str(champion.version) == results["better"].version
+    assert results["better"].promoted
+    assert not results["worse"].promoted or better_starts_first is False
+
+
+def test_no_function_changes_the_process_wide_tracking_uri(
+    world: World, sqlite_store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's process-wide URI points at another store; registering (which loads and re-scores the
+    champion) and looking up in ours must leave it alone, and write nothing there."""
+    name = "llamaflow-uri"
+    _register(world, world.trained, world.other_dataset, name)  # re-scored below: another text
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    mlflow.set_tracking_uri(elsewhere)
+    run_id = new_run("explicit-uri", uri=sqlite_store)
+    result = register.register_model(
+        run_id=run_id,
+        checkpoint=world.random_init,
+        tokenizer=world.tokenizer,
+        dataset=world.dataset,
+        eval_result=score(world.random_init, world.dataset, world.tokenizer),
+        model_name=name,
+        tracking_uri=sqlite_store,
+        eval_device="cpu",
+    )
+    assert result.champion_bits_per_byte is not None, "the champion was re-scored"
+    assert mlflow.get_tracking_uri() == elsewhere and os.environ["MLFLOW_TRACKING_URI"] == elsewhere
+    load_model(f"models:/{name}/{result.version}", tracking_uri=sqlite_store)
+    assert mlflow.get_tracking_uri() == elsewhere and os.environ["MLFLOW_TRACKING_URI"] == elsewhere
+    assert len(tracking_store.get_client(sqlite_store).search_model_versions(f"name='{name}'")) == 2
+    assert tracking_store.get_client(elsewhere).search_registered_models() == []
 
 
 def test_lookup_returns_the_saved_weights_uncompiled(
-    world: World, registered: dict[str, register.RegisteredModel]
+    world: World, registered: dict[str, RegisteredModel]
 ) -> None:
     model, tokenizer = load_model("models:/llamaflow-test@champion")
     assert not hasattr(model, "_orig_mod") and not model.training
@@ -254,13 +326,14 @@ def test_lookup_returns_the_saved_weights_uncompiled(
     assert parse_model_uri("models:/a-b/12") == ("a-b", None, "12")
 
 
-def test_registered_artifacts_hold_no_pickles(
-    registered: dict[str, register.RegisteredModel], store: str, tmp_path: Path
+def test_registered_artifacts_hold_no_pickles_and_no_paths_of_this_machine(
+    world: World, registered: dict[str, RegisteredModel], sqlite_store: str, tmp_path: Path
 ) -> None:
-    import mlflow
-
-    tracking_store.use_tracking_uri()
-    local = Path(mlflow.artifacts.download_artifacts("models:/llamaflow-test/2", dst_path=str(tmp_path)))
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            "models:/llamaflow-test/2", dst_path=str(tmp_path), tracking_uri=sqlite_store
+        )
+    )
     files = [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()]
     assert not [
         f for f in files if f.endswith((".pt", ".pth", ".pkl", ".pickle", ".bin", ".joblib", ".ckpt"))
@@ -268,29 +341,37 @@ def test_registered_artifacts_hold_no_pickles(
     assert [f for f in files if f.endswith(".safetensors")] == ["artifacts/model.safetensors"]
     assert "python_model.pkl" not in [Path(f).name for f in files]
     assert "code/model/llama.py" in files
-    mlmodel = (local / "MLmodel").read_text()
-    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel  # the python_model is code
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    assert mlmodel["flavors"]["python_function"]["loader_module"] == "mlflow.pyfunc.loaders.code_model"
     assert "pyfunc.py" in files
+    roots = [str(REPO), str(Path(world.trained.path).parent), str(Path(sqlite_store[10:]).parent)]
+    assert mlmodel_absolute_paths(mlmodel, roots) == []
     requirements = (local / "requirements.txt").read_text()
     assert "+cpu" not in requirements and "torch>=" in requirements
 
 
 def test_pyfunc_predicts_in_a_new_process_without_the_repo(
-    registered: dict[str, register.RegisteredModel], store: str, tmp_path: Path
+    registered: dict[str, RegisteredModel], sqlite_store: str, tmp_path: Path
 ) -> None:
-    repo = str(Path(register.__file__).resolve().parents[1])
-    script = f"""
-import importlib.util, json, sys
-sys.path[:] = [p for p in sys.path if p not in ("", {repo!r})]
+    script = """
+import importlib.util, json, os, sys
+# No copy of the project may be importable (the worktree, or an editable install of another checkout).
+sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or ".", "model", "__init__.py"))]
 assert importlib.util.find_spec("model") is None, "the repo must not be importable here"
 import mlflow
 model = mlflow.pyfunc.load_model("models:/llamaflow-test@champion")
-out = model.predict(["def ", ""], params={{"max_new_tokens": 6, "temperature": 0.0}})
-again = model.predict(["def ", ""], params={{"max_new_tokens": 6, "temperature": 0.0}})
+out = model.predict(["def ", ""], params={"max_new_tokens": 6, "temperature": 0.0})
+again = model.predict(["def ", ""], params={"max_new_tokens": 6, "temperature": 0.0})
 assert out == again, "greedy decoding must be deterministic"
 print("RESULT" + json.dumps(out))
 """
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": sqlite_store,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("PYTHONPATH", None)
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
@@ -302,12 +383,10 @@ print("RESULT" + json.dumps(out))
 
 
 def test_pyfunc_in_process_takes_dataframes_and_checks_params(
-    registered: dict[str, register.RegisteredModel], store: str
+    registered: dict[str, RegisteredModel], sqlite_store: str
 ) -> None:
-    import mlflow
     import pandas as pd
 
-    tracking_store.use_tracking_uri()
     model = mlflow.pyfunc.load_model("models:/llamaflow-test@champion")
     greedy = {"max_new_tokens": 4, "temperature": 0.0}
     from_list = model.predict(["def ", "class "], params=greedy)
@@ -322,10 +401,8 @@ def test_pyfunc_in_process_takes_dataframes_and_checks_params(
 
 
 def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
-    world: World, store: str, tmp_path: Path
+    world: World, sqlite_store: str, tmp_path: Path
 ) -> None:
-    import mlflow
-
     code = tmp_path / "echo_model.py"
     code.write_text(
         "import mlflow\n"
@@ -334,8 +411,8 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
         "        return list(model_input)\n"
         "mlflow.models.set_model(Echo())\n"
     )
-    tracking_store.use_tracking_uri()
-    run_id = tracking_store.start_run("register-tests", run_name="foreign")
+    mlflow.set_tracking_uri(sqlite_store)
+    run_id = new_run("foreign")
     logged = tracking_store.get_client().create_logged_model(
         experiment_id=tracking_store.ensure_experiment("register-tests"), source_run_id=run_id
     )
@@ -348,118 +425,33 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
     )
     tracking_store.get_client().set_registered_model_alias("llamaflow-foreign", "champion", "1")
     ours = _register(world, world.trained, world.dataset, "llamaflow-foreign")
-    assert not ours.promoted and ours.champion_val_loss is None
+    assert not ours.promoted and ours.champion_bits_per_byte is None
     tags = tracking_store.get_client().get_model_version("llamaflow-foreign", ours.version).tags
     assert tags[register.TAG_COMPARISON].startswith("champion cannot be loaded as a llamaflow model")
-    assert tags[register.TAG_CHAMPION_VAL_LOSS] == "none"
+    assert tags[register.TAG_CHAMPION_BITS_PER_BYTE] == "none"
 
 
-def test_bad_inputs_fail_before_anything_is_logged(world: World, store: str, tmp_path: Path) -> None:
-    run_id = tracking_store.start_run("register-tests")
+def test_bad_inputs_fail_before_anything_is_logged(world: World, sqlite_store: str, tmp_path: Path) -> None:
+    run_id = new_run("bad")
     kwargs = dict(run_id=run_id, tokenizer=world.tokenizer, dataset=world.dataset, model_name="never")
+    good = score(world.trained, world.dataset, world.tokenizer)
     empty = CheckpointRef(path=str(tmp_path), run_dir=str(tmp_path), step=0, tokens_seen=0)
     with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
-        register.register_model(
-            checkpoint=empty, eval_result=EvalResult(val_loss=1.0, perplexity=2.7), **kwargs
-        )
+        register.register_model(checkpoint=empty, eval_result=good, **kwargs)
+    diverged = good.model_copy(update={"bits_per_byte": math.nan})
     with pytest.raises(ValueError, match="diverged"):
-        register.register_model(
-            checkpoint=world.trained, eval_result=EvalResult(val_loss=float("nan"), perplexity=1.0), **kwargs
-        )
+        register.register_model(checkpoint=world.trained, eval_result=diverged, **kwargs)
+    other_data = score(world.trained, world.other_dataset, world.tokenizer)
+    with pytest.raises(ValueError, match="measured on dataset"):
+        register.register_model(checkpoint=world.trained, eval_result=other_data, **kwargs)
     assert "never" not in [m.name for m in tracking_store.get_client().search_registered_models()]
 
 
-# --------------------------------------------------------------------------------------------------
-# A real `mlflow server` (SQLite backend, proxied artifacts)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("mlflow-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mlflow_cli = str(Path(sys.executable).with_name("mlflow"))
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen(
-        [
-            mlflow_cli,
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-        ],
-        cwd=root,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def test_eval_result_carries_what_promotion_compares(world: World) -> None:
+    result = score(world.trained, world.dataset, world.tokenizer)
+    assert isinstance(result, EvalResult)
+    assert result.scored_bytes > result.scored_tokens > 0
+    assert result.bits_per_byte == pytest.approx(
+        result.val_loss * result.scored_tokens / math.log(2) / result.scored_bytes, rel=1e-12
     )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"mlflow server did not come up: {(root / 'server.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.25)
-        yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def test_tracking_and_registry_through_a_server(
-    world: World, server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
-    assert tracking_store.check_tracking_store() == server
-    run_id = tracking_store.start_run("server-tests", run_name="over-http")
-    tracking_store.log_params(run_id, {"model": _config().to_dict()})
-    tracking_store.log_dataset_input(run_id, world.dataset)
-    sink = MlflowSink(run_id, flush_every_steps=10)
-    history = {step: {"train/loss": 6.0 - 0.1 * step, "train/lr": 1e-3} for step in range(25)}
-    for step, metrics in history.items():
-        sink.log_metrics(metrics, step)
-    sink.close()
-    tracking_store.get_client().log_figure(run_id, training_curves_figure(history), "loss_curve.png")
-    result = register.register_model(
-        run_id=run_id,
-        checkpoint=world.trained,
-        tokenizer=world.tokenizer,
-        dataset=world.dataset,
-        eval_result=EvalResult(val_loss=_val_loss(world.trained, world.dataset), perplexity=1.0),
-        model_name="llamaflow-server",
-    )
-    tracking_store.end_run(run_id)
-
-    client = tracking_store.get_client()
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["model.hidden_size"] == "64"
-    assert len(client.get_metric_history(run_id, "train/loss")) == 25
-    assert run.inputs.dataset_inputs[0].dataset.digest == world.dataset.fingerprint[:36]
-    assert "loss_curve.png" in [f.path for f in client.list_artifacts(run_id)]
-    assert tracking_store.run_link(run_id).startswith(f"{server}/#/experiments/")
-
-    assert result.promoted and result.version == "1"
-    model, _ = load_model("models:/llamaflow-server@champion")
-    assert torch.equal(_logits(model), _logits(load_pretrained(world.trained.path).eval()))
+    assert (PAD_ID, EOS_ID) == (2, 1)

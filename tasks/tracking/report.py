@@ -1,5 +1,5 @@
 """What a finished run leaves for people: evaluation metrics, the loss/LR figure and the samples table in
-MLflow, and a summary artifact in Prefect."""
+MLflow; a link to the MLflow run and a summary artifact in Prefect."""
 
 from __future__ import annotations
 
@@ -9,57 +9,93 @@ from collections.abc import Mapping
 from typing import Any
 
 from mlflow.entities import Metric
-from prefect.artifacts import create_markdown_artifact
-from prefect.context import FlowRunContext
 
 from tasks.refs import CheckpointRef, EvalResult
-from tasks.tracking.store import get_client, run_link
+from tasks.tracking.store import get_client, run_link, run_url
 from tasks.training.metrics import read_metrics
 
 
-def flow_run_tags() -> dict[str, str]:
-    """Tags that link an MLflow run to the Prefect flow run that made it."""
-    ctx = FlowRunContext.get()
-    if ctx is None or ctx.flow_run is None:
-        return {}
-    return {
-        "prefect.flow_run_id": str(ctx.flow_run.id),
-        "prefect.flow_run_name": ctx.flow_run.name,
-        "prefect.deployment_id": str(ctx.flow_run.deployment_id or ""),
+def _in_flow_run() -> bool:
+    from prefect.runtime import flow_run
+
+    return flow_run.id is not None
+
+
+def evaluation_metrics(evaluation: EvalResult) -> dict[str, float]:
+    values = {
+        "val/bits_per_byte": evaluation.bits_per_byte,
+        "val/xz_bits_per_byte": evaluation.xz_bits_per_byte,
+        "val/loss": evaluation.val_loss,
+        "val/perplexity": evaluation.perplexity,
+        "val/scored_bytes": float(evaluation.scored_bytes),
+        "val/scored_tokens": float(evaluation.scored_tokens),
     }
-
-
-def log_evaluation(run_id: str, evaluation: EvalResult, *, checkpoint: CheckpointRef) -> None:
-    """Validation metrics at the final step, the samples table, and the loss/LR curve figure."""
-    now = int(time.time() * 1000)
-    values = {"val/loss": evaluation.val_loss, "val/perplexity": evaluation.perplexity}
     if evaluation.initial_val_loss is not None:
         values["val/initial_loss"] = evaluation.initial_val_loss
-    metrics = [Metric(key, float(v), now, checkpoint.step) for key, v in values.items()]
-    get_client().log_batch(run_id, metrics=metrics)
+    if evaluation.initial_bits_per_byte is not None:
+        values["val/initial_bits_per_byte"] = evaluation.initial_bits_per_byte
+    return values
+
+
+def log_evaluation(
+    run_id: str, evaluation: EvalResult, *, checkpoint: CheckpointRef, uri: str | None = None
+) -> None:
+    """Validation metrics at the final step (once: a continued run that has them keeps them), the
+    samples table, and the loss/LR curve figure."""
+    client = get_client(uri)
+    have = client.get_run(run_id).data._metric_objs
+    logged = {m.key for m in have if m.step == checkpoint.step}
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(key, float(v), now, checkpoint.step)
+        for key, v in evaluation_metrics(evaluation).items()
+        if key not in logged
+    ]
+    if metrics:
+        client.log_batch(run_id, metrics=metrics)
     if evaluation.samples:
-        log_samples(run_id, evaluation.samples)
+        log_samples(run_id, evaluation.samples, uri=uri)
     history = read_metrics(checkpoint.run_dir)
     if history:
         figure = training_curves_figure(history, val_loss=(checkpoint.step, evaluation.val_loss))
-        get_client().log_figure(run_id, figure, "loss_curve.png")
+        client.log_figure(run_id, figure, "loss_curve.png")
+
+
+def link_mlflow_run(run_id: str, uri: str | None = None) -> None:
+    """A link artifact from the Prefect flow run to its MLflow run (nothing outside a flow run)."""
+    if not _in_flow_run():
+        return
+    from prefect.artifacts import create_link_artifact
+
+    create_link_artifact(
+        link=run_url(run_id, uri),
+        link_text=f"MLflow run {run_id}",
+        key="mlflow-run",
+        description=f"The MLflow run of this flow run. {run_link(run_id, uri)}",
+    )
 
 
 def publish_summary(result: dict[str, Any]) -> None:
-    """A markdown artifact on the flow run: metrics table, MLflow run and registered version."""
-    if FlowRunContext.get() is None:
+    """A markdown artifact on the flow run: bits per byte against xz, metrics table, MLflow run, version."""
+    if not _in_flow_run():
         return
     ev, reg = result["evaluation"], result["registered"]
-    rows = [("validation loss", f"{ev['val_loss']:.4f}"), ("perplexity", f"{ev['perplexity']:.2f}")]
-    if ev.get("initial_val_loss") is not None:
-        rows.insert(0, ("validation loss before training", f"{ev['initial_val_loss']:.4f}"))
+    rows = [
+        ("bits per byte", f"{ev['bits_per_byte']:.4f}"),
+        ("xz -9e, same text", f"{ev['xz_bits_per_byte']:.4f}"),
+        ("validation loss (nats/token)", f"{ev['val_loss']:.4f}"),
+        ("perplexity", f"{ev['perplexity']:.2f}"),
+        ("scored text", f"{ev['scored_bytes']:,} bytes, {ev['scored_tokens']:,} tokens"),
+    ]
+    if ev.get("initial_bits_per_byte") is not None:
+        rows.insert(2, ("bits per byte before training", f"{ev['initial_bits_per_byte']:.4f}"))
     rows += [
         (k, f"{v:.4g}")
         for k, v in sorted(result["metrics"].items())
-        if k not in ("val_loss", "val_perplexity")
+        if k not in ("val_loss", "val_perplexity", "bits_per_byte", "xz_bits_per_byte")
     ]
     decision = "moved to this version" if reg["promoted"] else "kept by the previous champion"
-    champion = reg.get("champion_val_loss")
+    champion = reg.get("champion_bits_per_byte")
     lines = [
         f"# Pretraining run `{result['run_id']}`",
         "",
@@ -68,13 +104,19 @@ def publish_summary(result: dict[str, Any]) -> None:
         *[f"| {k} | {v} |" for k, v in rows],
         "",
         f"**Registered:** `{result['model_uri']}`; alias `@{reg['alias']}` {decision}"
-        + (f" (previous champion's validation loss {champion:.4f})" if champion is not None else "."),
+        + (
+            f" (previous champion: {champion:.4f} bits per byte on the same text)"
+            if champion is not None
+            else "."
+        ),
         "",
-        f"**MLflow run:** {run_link(result['run_id'], result['tracking_uri'])}",
+        f"**MLflow run:** {run_link(result['run_id'])}",
         "",
         "## Samples",
         *[f"- `{p}` → `{(p + c)[:160]}`".replace("\n", "⏎") for p, c in ev.get("samples", [])],
     ]
+    from prefect.artifacts import create_markdown_artifact
+
     create_markdown_artifact("\n".join(lines), key="pretrain-summary", description="Pretraining run summary")
 
 
@@ -112,7 +154,10 @@ def training_curves_figure(
 
 
 def log_samples(
-    run_id: str, samples: tuple[tuple[str, str], ...], artifact_file: str = "samples.json"
+    run_id: str,
+    samples: tuple[tuple[str, str], ...],
+    artifact_file: str = "samples.json",
+    uri: str | None = None,
 ) -> str:
     """Log (prompt, completion) pairs as an MLflow table artifact (shown in the UI's evaluation view)."""
     if not samples:
@@ -121,5 +166,5 @@ def log_samples(
     with warnings.catch_warnings():
         # MLflow's own select_dtypes(include=["object"]) call warns under pandas 3.
         warnings.filterwarnings("ignore", message=".*'str' dtypes are included by select_dtypes")
-        get_client().log_table(run_id, data=data, artifact_file=artifact_file)
+        get_client(uri).log_table(run_id, data=data, artifact_file=artifact_file)
     return artifact_file

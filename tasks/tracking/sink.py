@@ -1,63 +1,75 @@
-"""Training metrics into an MLflow run: a buffered metric sink, and MLflow's system-metrics sampler."""
+"""Training metrics into an MLflow run (MLflow's asynchronous batched logging), and MLflow's system-metrics
+sampler. Every (metric, step) reaches the run exactly once, also when the run is continued after a kill.
+
+The engine writes every logged step to `metrics.jsonl` synchronously, so what MLflow missed when a process
+died (metrics still queued) is there. A sink opened on a run that already has metrics reads which steps it
+holds, fills in the missing ones from `metrics.jsonl`, and drops the steps the resumed training recomputes
+(bit for bit) that the run already has.
+"""
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+from mlflow.utils.async_logging.run_operations import RunOperations
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
-from tasks.tracking.store import check_tracking_store, get_client, use_tracking_uri
+from tasks.tracking.store import check_tracking_store, get_client
+from tasks.training.metrics import read_metrics
+
+SYSTEM_PREFIX = "system/"
 
 
 class MlflowSink:
-    """Buffers per-step metrics and writes them with `log_batch`.
+    """Implements the engine's `MetricSink` (`log_metrics`); call `close()` when training ends.
 
-    One synchronous MLflow call per metric costs ~20 ms on SQLite and a round trip on a server; the
-    sink flushes every `flush_every_steps` distinct steps or `flush_every_s` seconds, and on `close()`.
-    A failed flush (store briefly unreachable) warns and keeps the metrics for the next one, so a
-    tracking hiccup does not kill training; `close()` raises if they still cannot be written.
-    Implements the engine's `MetricSink` (`log_metrics`); call `close()` when training ends.
+    `log_metrics` hands each step to MLflow's async logging queue and returns at once: the training
+    thread never waits for the store. A batch the store refused (a brief outage) is sent again by `flush()`
+    and `close()`; `close()` raises if it still cannot be written.
     """
 
-    max_buffered = 200_000
+    max_in_flight = 256  # steps whose outcome is not yet checked; older ones are waited for
 
-    def __init__(
-        self,
-        run_id: str,
-        *,
-        uri: str | None = None,
-        flush_every_steps: int = 50,
-        flush_every_s: float = 10.0,
-    ) -> None:
-        if flush_every_steps < 1:
-            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}.")
-        self.run_id = run_id
+    def __init__(self, run_id: str, *, uri: str | None = None, run_dir: str | Path | None = None) -> None:
         self.uri = check_tracking_store(uri)
         self._client = get_client(self.uri)
         try:
-            self._client.get_run(run_id)
-        except mlflow.exceptions.MlflowException as exc:
+            run = self._client.get_run(run_id)
+        except MlflowException as exc:
             raise ValueError(
-                f"MLflow run {run_id!r} does not exist in {self.uri}; create it with tasks.tracking.store.start_run()."
+                f"MLflow run {run_id!r} does not exist in this store; create it with tasks.tracking.store.start_run()."
             ) from exc
-        self._flush_every_steps = flush_every_steps
-        self._flush_every_s = flush_every_s
-        self._buffer: list[Metric] = []
-        self._steps_buffered: set[int] = set()
-        self._new_since_flush = 0
-        self._last_flush = time.monotonic()
-        self._lock = threading.Lock()
+        self.run_id = run_id
+        self._in_flight: deque[tuple[RunOperations, list[Metric]]] = deque()
+        self._failed: list[Metric] = []
         self._closed = False
-        self.flushes = 0
-        self.failed_flushes = 0
-        self.dropped = 0
         self.last_error: Exception | None = None
+        self._logged = self._steps_in_run(run.data.metrics)
+        self.filled_in = self._fill_in(run_dir) if run_dir is not None else 0
+
+    def _steps_in_run(self, latest: Mapping[str, float]) -> dict[str, set[int]]:
+        return {
+            key: {m.step for m in self._client.get_metric_history(self.run_id, key)}
+            for key in latest
+            if not key.startswith(SYSTEM_PREFIX)
+        }
+
+    def _fill_in(self, run_dir: str | Path) -> int:
+        """Log the steps of `run_dir/metrics.jsonl` (a resumed run directory) that the run lacks."""
+        before = self._count()
+        for step, metrics in sorted(read_metrics(run_dir).items()):
+            self.log_metrics(metrics, step)
+        return self._count() - before
+
+    def _count(self) -> int:
+        return sum(len(steps) for steps in self._logged.values())
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if self._closed:
@@ -65,75 +77,68 @@ class MlflowSink:
         timestamp = int(time.time() * 1000)
         entries = []
         for key, value in metrics.items():
-            entries.append(Metric(key=key, value=float(value), timestamp=timestamp, step=int(step)))
-        with self._lock:
-            self._buffer.extend(entries)
-            self._steps_buffered.add(int(step))
-            self._new_since_flush += len(entries)
-            due = (
-                len(self._steps_buffered) >= self._flush_every_steps
-                or time.monotonic() - self._last_flush >= self._flush_every_s
-                or self._new_since_flush >= MAX_METRICS_PER_BATCH
-            )
-        if due:
-            self.flush()
+            steps = self._logged.setdefault(key, set())
+            if step not in steps:
+                steps.add(step)
+                entries.append(Metric(key=key, value=float(value), timestamp=timestamp, step=int(step)))
+        if not entries:
+            return
+        operation = self._client.log_batch(self.run_id, metrics=entries, synchronous=False)
+        self._in_flight.append((operation, entries))
+        while len(self._in_flight) > self.max_in_flight:
+            self._settle(*self._in_flight.popleft())
+
+    def _settle(self, operation: RunOperations, entries: list[Metric]) -> None:
+        try:
+            operation.wait()
+        except MlflowException as exc:
+            self._failed.extend(entries)
+            self.last_error = exc
 
     def flush(self) -> bool:
-        """Write everything buffered; False (with a warning, metrics kept) if the store refused."""
-        with self._lock:
-            pending, self._buffer = self._buffer, []
-            self._steps_buffered = set()
-            self._new_since_flush = 0
-            self._last_flush = time.monotonic()
-        sent = 0
-        try:
-            while sent < len(pending):
-                chunk = pending[sent : sent + MAX_METRICS_PER_BATCH]
-                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
-                sent += len(chunk)
-        except Exception as exc:  # any store failure: keep the metrics and let training go on
-            with self._lock:
-                self._buffer = pending[sent:] + self._buffer
-                overflow = len(self._buffer) - self.max_buffered
-                if overflow > 0:
-                    del self._buffer[:overflow]
-                    self.dropped += overflow
-            self.failed_flushes += 1
-            self.last_error = exc
-            warnings.warn(
-                f"MLflow did not take {len(pending) - sent} metrics for run {self.run_id} ({exc}); "
-                f"{len(self._buffer)} kept for the next flush, {self.dropped} dropped so far.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return False
-        if pending:
-            self.flushes += 1
+        """Wait for what is queued and send again what the store refused; True when nothing is left."""
+        while self._in_flight:
+            self._settle(*self._in_flight.popleft())
+        pending, self._failed = self._failed, []
+        for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
+            try:
+                self._client.log_batch(
+                    self.run_id, metrics=pending[start : start + MAX_METRICS_PER_BATCH], synchronous=True
+                )
+            except MlflowException as exc:
+                self._failed.extend(pending[start:])
+                self.last_error = exc
+                warnings.warn(
+                    f"MLflow did not take {len(self._failed)} metrics for run {self.run_id} ({exc}); they are "
+                    "sent again at the next flush.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return False
         return True
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self.flush() or self.dropped:
+        if not self.flush():
             raise RuntimeError(
-                f"{len(self._buffer)} metrics could not be written to MLflow run {self.run_id} at close "
-                f"and {self.dropped} were dropped earlier; last error: {self.last_error}"
+                f"{len(self._failed)} metrics could not be written to MLflow run {self.run_id}; "
+                f"last error: {self.last_error}"
             )
 
 
-def start_system_metrics(
-    run_id: str, sampling_interval_s: float = 10.0, uri: str | None = None
-) -> Any | None:
-    """Start MLflow's CPU/GPU/memory/disk sampler for `run_id` (needs psutil, a dependency).
+def start_system_metrics(run_id: str, sampling_interval_s: float = 10.0, uri: str | None = None) -> Any:
+    """Start MLflow's CPU/GPU/memory/disk sampler for `run_id` in the store at `uri` (needs psutil, a
+    dependency; GPUs need nvidia-ml-py). A continued run's samples go on after its last logged step.
 
     Returns the monitor; call `.finish()` on it when training ends.
     """
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    # MLflow 3.17's monitor reads the process-wide URI in places even when given its own, so both are set:
-    # a stale process-wide URI (another store, a stopped server) would stall it in HTTP retries.
-    uri = use_tracking_uri(uri)
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_interval_s, tracking_uri=uri)
+    uri = check_tracking_store(uri)
+    monitor = SystemMetricsMonitor(
+        run_id, sampling_interval=sampling_interval_s, resume_logging=True, tracking_uri=uri
+    )
     monitor.start()
     return monitor

@@ -1,0 +1,53 @@
+"""Where a run's dataset came from, as MLflow stores it: the packed split's file relative to the llamaflow
+home (`$LLAMAFLOW_HOME/datasets/.../train.npy`) and the dataset fingerprint, never a path of one machine.
+
+MLflow's own sources for a local file store its absolute path; a worker's path means nothing to whoever
+reads the run elsewhere, and a `$LLAMAFLOW_HOME/...` path resolves in every home that holds the dataset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlflow.data.dataset_source import DatasetSource
+
+from tasks import home
+
+
+class PackedSplitSource(DatasetSource):
+    """A split of a llamaflow packed dataset (`source_type` "llamaflow")."""
+
+    def __init__(self, path: str, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+
+    @classmethod
+    def of(cls, file: str | Path, fingerprint: str) -> PackedSplitSource:
+        stored = home.portable(file)
+        if Path(stored).is_absolute():  # outside the home: only what names it, not where it is here
+            stored = f"{Path(stored).parent.name}/{Path(stored).name}"
+        return cls(stored, fingerprint)
+
+    @staticmethod
+    def _get_source_type() -> str:
+        return "llamaflow"
+
+    def load(self, **kwargs: Any) -> str:
+        """The split's file on this machine (under this machine's home)."""
+        return home.local(self.path)
+
+    @staticmethod
+    def _can_resolve(raw_source: Any) -> bool:
+        return False
+
+    @classmethod
+    def _resolve(cls, raw_source: Any) -> PackedSplitSource:
+        raise NotImplementedError("a llamaflow dataset source is made with PackedSplitSource.of()")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_dict(cls, source_dict: dict[str, Any]) -> PackedSplitSource:
+        return cls(source_dict["path"], source_dict["fingerprint"])
