@@ -154,7 +154,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         tracking_uri=store.redact_uri(uri),
     )
     report.publish_summary(result.model_dump(mode="json"))
-    _print_summary(result)
+    print_summary(result)
     return result
 
 
@@ -178,7 +178,7 @@ def summary_lines(
     return [first, f"validation loss: {loss}"]
 
 
-def _print_summary(result: PretrainResult) -> None:
+def print_summary(result: PretrainResult) -> None:
     ev = result.evaluation
     lines = ["", "=" * 72]
     lines += summary_lines(
@@ -193,6 +193,8 @@ def _print_summary(result: PretrainResult) -> None:
         f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}   "
         f"scored: {ev.scored_bytes:,} bytes of validation text"
     )
+    if result.checkpoint.run_length:
+        lines.append(f"run length: {result.checkpoint.run_length}")
     reg = result.registered
     verdict = "now holds" if reg.promoted else "stays with the previous version; not moved to"
     versus = (

@@ -24,7 +24,7 @@ from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
 from flows.config import PretrainConfig
-from flows.pretrain import PretrainResult, pretrain
+from flows.pretrain import PretrainResult, pretrain, print_summary
 from model import LlamaConfig, LlamaForPretraining, load_pretrained, load_weights
 from tasks import home
 from tasks.evaluate import evaluate
@@ -66,6 +66,15 @@ def test_flow_registers_a_champion_and_learns(tiny_run: PretrainResult) -> None:
     assert run.data.metrics["val/xz_bits_per_byte"] == ev.xz_bits_per_byte
     history = client.get_metric_history(tiny_run.run_id, "train/loss")
     assert len(history) == tiny_run.checkpoint.step == 30
+
+
+def test_the_printed_summary_leads_with_bits_per_byte_and_says_what_set_the_run_length(
+    tiny_run: PretrainResult, capsys: pytest.CaptureFixture[str]
+) -> None:
+    print_summary(tiny_run)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith(f"validation: {tiny_run.evaluation.bits_per_byte:.3f} bits per byte (xz -9e: ")
+    assert "run length: 30 optimizer steps, set by max_steps=30 (epochs=1 not used; " in "\n".join(lines)
 
 
 def test_the_flow_run_and_the_mlflow_run_point_at_each_other(tiny_run: PretrainResult) -> None:
