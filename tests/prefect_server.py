@@ -22,6 +22,22 @@ from flows.processes import free_port, stop_tree
 
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+# The pretrain config of a deployed test run. Orchestration is under test there, not speed: the tiny model,
+# small eager steps (test_pipeline_e2e.py covers torch.compile), and enough steps and checkpoints for a crash
+# to have something to resume from.
+TINY_RUN = {
+    "preset": "tiny",
+    "max_steps": 6,
+    "warmup_steps": 1,
+    "checkpoint_every": 2,
+    "seq_len": 64,
+    "micro_batch_size": 4,
+    "accumulate_steps": 1,
+    "compile": False,
+    "eval_max_blocks": 8,
+    "num_samples": 1,
+    "sample_max_new_tokens": 8,
+}
 
 
 def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:

@@ -41,6 +41,7 @@ from flows.config import PretrainConfig
 from flows.placement import PlacementError, check_placement, train_on_deployment
 from flows.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
 from prefect_server import (
+    TINY_RUN,
     deployment_run_cli,
     prefect,
     prefect_server,
@@ -54,21 +55,6 @@ from tasks.training import TrainSettings
 REPO = Path(__file__).resolve().parents[1]
 POOL = "gpu-pool"
 RUN_TIMEOUT_S = 300
-# Orchestration is under test here, not speed: the tiny model, small eager steps (test_pipeline_e2e.py
-# covers torch.compile), and enough steps and checkpoints for a crash to have something to resume from.
-TINY = {
-    "preset": "tiny",
-    "max_steps": 6,
-    "warmup_steps": 1,
-    "checkpoint_every": 2,
-    "seq_len": 64,
-    "micro_batch_size": 4,
-    "accumulate_steps": 1,
-    "compile": False,
-    "eval_max_blocks": 8,
-    "num_samples": 1,
-    "sample_max_new_tokens": 8,
-}
 
 
 @dataclass
@@ -222,7 +208,7 @@ def test_invalid_parameters_are_rejected_before_any_task_runs(stack: Stack) -> N
 @pytest.mark.e2e
 def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stack) -> None:
     model_name = f"deploy-{uuid.uuid4().hex[:8]}"
-    run = _run_from_cli(stack, {**TINY, "model_name": model_name})
+    run = _run_from_cli(stack, {**TINY_RUN, "model_name": model_name})
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
     with get_client(sync_client=True) as client:
@@ -239,7 +225,7 @@ def test_adhoc_run_completes_with_artifacts_and_a_registered_version(stack: Stac
     assert [str(v.version) for v in versions] == ["1"]
     assert str(mlflow.get_model_version_by_alias(model_name, "champion").version) == "1"
     trained = mlflow.get_metric_history(versions[0].run_id, "train/loss")
-    assert sorted(m.step for m in trained) == list(range(1, TINY["max_steps"] + 1))
+    assert sorted(m.step for m in trained) == list(range(1, TINY_RUN["max_steps"] + 1))
     # Checkpoints went to this flow run's own directory, so concurrent runs never share one.
     assert list(_run_dir(run).glob("step_*/model.safetensors"))
 
@@ -249,7 +235,7 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
     model_name = f"retry-{uuid.uuid4().hex[:8]}"
     # The crash hits before step 5 runs, after the checkpoint of step 4.
     fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "crash_at_step=5"}}  # a job variable: this run only
-    run = _run_from_cli(stack, {**TINY, "model_name": model_name, "train_retries": 1}, **fault)
+    run = _run_from_cli(stack, {**TINY_RUN, "model_name": model_name, "train_retries": 1}, **fault)
     assert run.state.type.value == "COMPLETED", _explain(run, stack)
 
     (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
@@ -266,14 +252,14 @@ def test_crashed_training_is_retried_and_resumes_from_the_newest_checkpoint(stac
     mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
     (version,) = mlflow.search_model_versions(f"name='{model_name}'")
     steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
+    assert sorted(steps) == list(range(1, TINY_RUN["max_steps"] + 1))
 
 
 @pytest.mark.e2e
 def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     model_name = f"split-{uuid.uuid4().hex[:8]}"
     config = {
-        **TINY,
+        **TINY_RUN,
         "model_name": model_name,
         "placement": "deployment",
         "train_deployment": "remote-train/gpu",
@@ -293,17 +279,17 @@ def test_split_placement_trains_on_the_train_deployment(stack: Stack) -> None:
     assert "train" in child_tasks and not child_tasks & {"train_tokenizer", "build_dataset"}
     assert "train" not in parent_tasks and {"train_tokenizer", "build_dataset"} <= parent_tasks
     # The child trained into the parent's run directory and handed its CheckpointRef back there.
-    assert read_result(_run_dir(run), str(children[0].id)).step == TINY["max_steps"]
+    assert read_result(_run_dir(run), str(children[0].id)).step == TINY_RUN["max_steps"]
 
     mlflow = MlflowClient(stack.tracking_uri, registry_uri=stack.tracking_uri)
     (version,) = mlflow.search_model_versions(f"name='{model_name}'")
     steps = [m.step for m in mlflow.get_metric_history(version.run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, TINY["max_steps"] + 1))
+    assert sorted(steps) == list(range(1, TINY_RUN["max_steps"] + 1))
 
 
 @pytest.mark.e2e
 def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stack: Stack) -> None:
-    run = _start("pretrain/adhoc", {"config": {**TINY, "max_steps": 500, "model_name": "cancelled"}})
+    run = _start("pretrain/adhoc", {"config": {**TINY_RUN, "max_steps": 500, "model_name": "cancelled"}})
     run_dir = _run_dir(run)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not list(run_dir.glob("step_*/model.safetensors")):
@@ -333,7 +319,7 @@ def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stac
 
 @pytest.mark.e2e
 def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: Stack) -> None:
-    config = {**TINY, "max_steps": 500, "model_name": "cancelled-split", "placement": "deployment"}
+    config = {**TINY_RUN, "max_steps": 500, "model_name": "cancelled-split", "placement": "deployment"}
     run = _start("pretrain/adhoc", {"config": config})
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not list(_run_dir(run).glob("step_*/model.safetensors")):

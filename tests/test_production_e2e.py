@@ -28,23 +28,11 @@ import pytest
 
 from flows import services as stores
 from flows.processes import free_port, stop_tree, wait_http
-from prefect_server import deployment_run_cli, prefect, start, tail, wait_for_flow_run
+from prefect_server import TINY_RUN, deployment_run_cli, prefect, start, tail, wait_for_flow_run
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
-CONFIG = {
-    "preset": "tiny",
-    "max_steps": 4,
-    "warmup_steps": 1,
-    "checkpoint_every": 2,
-    "seq_len": 64,
-    "micro_batch_size": 4,
-    "accumulate_steps": 1,
-    "compile": False,
-    "eval_max_blocks": 8,
-    "num_samples": 1,
-    "sample_max_new_tokens": 8,
-}
+CONFIG = {**TINY_RUN, "max_steps": 4}
 # What a worker, a deployer or a registry user must not inherit from the test session.
 PRIVATE = ("PYTHONPATH", "VIRTUAL_ENV", "LLAMAFLOW_HOME", "LLAMAFLOW_MLRUNS", "TORCHINDUCTOR_CACHE_DIR")
 
