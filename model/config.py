@@ -151,14 +151,16 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
-    # ~6.5M parameters with vocab 8192: trains to readable text on 2 CPU cores in minutes.
+    # ~4.8M parameters with vocab 8192: trains to readable text on 2 CPU cores in minutes. Wide and shallow
+    # because at a main job's budget (~3-4M tokens) 2 x 320 learned more per second than 3 or 4 x 320,
+    # 4 x 384 and 6 x 256 (benchmarks/README.md §6).
     "demo": dict(
         vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        hidden_size=320,
+        intermediate_size=816,
+        num_hidden_layers=2,
+        num_attention_heads=10,
+        num_key_value_heads=5,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
     ),

@@ -160,16 +160,16 @@ def evaluate(
     tokenizer: TokenizerRef,
     *,
     initial_model: ModelRef | None = None,
-    max_blocks: int = 256,
+    max_blocks: int | None = 256,
     num_samples: int = 4,
     max_new_tokens: int = 48,
     seed: int = 0,
     device: str = "auto",
     dtype: str = "bf16",
 ) -> EvalResult:
-    """Bits per byte and loss of the trained weights on the first `max_blocks` validation blocks' text (and
-    of the initial ones, for contrast, and of the earlier checkpoints kept in the run directory), xz's bits
-    per byte on the same bytes, and samples."""
+    """Bits per byte and loss of the trained weights on the first `max_blocks` validation blocks' text (every
+    block when None), and of the initial ones, for contrast, and of the earlier checkpoints kept in the run
+    directory; xz's bits per byte on the same bytes, and samples."""
     dev = resolve_device(device)
     text = validation_text(dataset, tokenizer, max_blocks)
     kwargs = {"seq_len": dataset.seq_len, "device": dev, "dtype": dtype}

@@ -77,7 +77,7 @@ class CheckpointScore(_Ref):
 
 class EvalResult(_Ref):
     """What evaluation measured on the validation text (`tasks.scoring`): the text's first
-    `max_blocks * seq_len` tokens of the dataset's validation split, in `dtype`."""
+    `max_blocks * seq_len` tokens of the dataset's validation split (all of it when None), in `dtype`."""
 
     val_loss: float = Field(description="Mean loss per scored token (nats)")
     perplexity: float
@@ -87,7 +87,7 @@ class EvalResult(_Ref):
     scored_bytes: int
     text_fingerprint: str = Field(description="Of the scored text: equal fingerprints, same text")
     dataset_fingerprint: str
-    max_blocks: int
+    max_blocks: int | None
     dtype: str
     initial_val_loss: float | None = None
     initial_bits_per_byte: float | None = None

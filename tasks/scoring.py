@@ -1,9 +1,9 @@
 """What evaluation scores, exactly: the validation text in tokens and in UTF-8 bytes, and xz on those bytes.
 
-Evaluation predicts every token of the first `max_blocks * seq_len` tokens of the validation stream once
-(the first one after an EOS, as a document follows EOS in training). The text those tokens spell is the
-*validation text*: its UTF-8 bytes are counted exactly with a per-token byte table of the byte-level
-tokenizer (special tokens count 0 bytes), so bits per byte = summed loss in bits / those bytes. A model
+Evaluation predicts every token of the first `max_blocks * seq_len` tokens of the validation stream (or of
+all of it) once (the first one after an EOS, as a document follows EOS in training). The text those tokens
+spell is the *validation text*: its UTF-8 bytes are counted exactly with a per-token byte table of the
+byte-level tokenizer (special tokens count 0 bytes), so bits per byte = summed loss in bits / those bytes. A model
 with another tokenizer is scored on the same text by encoding its documents with its own tokenizer
 (`tasks.evaluate.rescore`); xz compresses the same bytes.
 """
@@ -101,14 +101,20 @@ def _whole_characters(tokens: np.ndarray, table: list[bytes]) -> int:
     return end
 
 
-def validation_text(dataset: DatasetRef, tokenizer: TokenizerRef, max_blocks: int) -> ValidationText:
-    """The first `max_blocks * seq_len` tokens of the validation stream (PAD removed, cut back to a
-    character boundary), and the exact text they spell."""
-    if max_blocks < 1:
-        raise ScoringError(f"max_blocks must be >= 1, got {max_blocks}")
+def validation_text(dataset: DatasetRef, tokenizer: TokenizerRef, max_blocks: int | None) -> ValidationText:
+    """The first `max_blocks * seq_len` tokens of the validation stream (all of it when `max_blocks` is
+    None; PAD removed, cut back to a character boundary), and the exact text they spell."""
+    if max_blocks is not None and max_blocks < 1:
+        raise ScoringError(f"max_blocks must be >= 1 (or None for every block), got {max_blocks}")
     blocks = open_blocks(dataset.path, "val")
-    budget = max_blocks * dataset.seq_len
-    stream = np.asarray(blocks.reshape(-1)[: budget + max_blocks], dtype=np.int64)  # rows hold seq_len + 1
+    if max_blocks is None:
+        budget = blocks.size
+        stream = np.asarray(blocks.reshape(-1), dtype=np.int64)
+    else:
+        budget = max_blocks * dataset.seq_len
+        stream = np.asarray(
+            blocks.reshape(-1)[: budget + max_blocks], dtype=np.int64
+        )  # rows hold seq_len + 1
     pads = np.flatnonzero(stream == tokenizer.pad_id)
     tokens = stream[: min(budget, pads[0] if len(pads) else len(stream))]
     if len(tokens) == 0:

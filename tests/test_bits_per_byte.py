@@ -81,9 +81,10 @@ def test_bits_per_byte_is_the_summed_loss_over_the_exact_bytes_of_the_scored_tex
     tokenizer, dataset, checkpoint, val_text = bpb_world
     stream = _stream(dataset, tokenizer.pad_id)
     result = evaluate(
-        checkpoint, dataset, tokenizer, max_blocks=10_000, num_samples=0, device="cpu", dtype="fp32"
+        checkpoint, dataset, tokenizer, max_blocks=None, num_samples=0, device="cpu", dtype="fp32"
     )
-    # The whole validation split was scored: every token once, the separators (EOS) carrying no bytes.
+    # max_blocks=None scored the whole validation split: every token once, the separators (EOS) carrying
+    # no bytes.
     assert result.scored_tokens == len(stream)
     assert result.scored_bytes == len(val_text)
     expected = _reference_loss_sum(checkpoint, stream, tokenizer.eos_id)
