@@ -111,10 +111,8 @@ def validation_text(dataset: DatasetRef, tokenizer: TokenizerRef, max_blocks: in
         budget = blocks.size
         stream = np.asarray(blocks.reshape(-1), dtype=np.int64)
     else:
-        budget = max_blocks * dataset.seq_len
-        stream = np.asarray(
-            blocks.reshape(-1)[: budget + max_blocks], dtype=np.int64
-        )  # rows hold seq_len + 1
+        budget = max_blocks * dataset.seq_len  # rows hold seq_len + 1 tokens: read one more per block
+        stream = np.asarray(blocks.reshape(-1)[: budget + max_blocks], dtype=np.int64)
     pads = np.flatnonzero(stream == tokenizer.pad_id)
     tokens = stream[: min(budget, pads[0] if len(pads) else len(stream))]
     if len(tokens) == 0:
