@@ -59,10 +59,7 @@ def bare_step_tokens_per_s(model_ref, dataset_ref, batch: int, steps: int, setti
     device = torch.device("cpu")
     torch.use_deterministic_algorithms(True)
     plain = load_pretrained(model_ref.path).train()
-    optimizer = build_optimizer(
-        plain, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas, eps=settings.eps,
-        device=device,
-    )  # fmt: skip
+    optimizer = build_optimizer(plain, settings, device)  # the engine's optimizer, from the same settings
     meta = read_meta(dataset_ref.path)
     eos = meta["eos_id"] if settings.document_mask else None
     step_fn = torch.compile(LossHead(plain, eos_id=eos), dynamic=False)
