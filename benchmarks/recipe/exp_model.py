@@ -211,8 +211,16 @@ def check_equivalence() -> float:
     from model import LlamaForPretraining, get_preset
 
     torch.manual_seed(0)
-    ref = LlamaForPretraining(get_preset("demo"))
-    exp = ExpLlama(ExpConfig())
+    c = ExpConfig()  # the round-2 demo shape the lever table was measured on
+    shape = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
+    ref = LlamaForPretraining(get_preset("demo", **{name: getattr(c, name) for name in shape}))
+    exp = ExpLlama(c)
     missing, unexpected = exp.load_state_dict(ref.state_dict(), strict=True)
     ids = torch.randint(0, 8192, (2, 64))
     with torch.no_grad():
