@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from prefect import task
 from tokenizers import Tokenizer
 
@@ -23,14 +22,21 @@ from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, M
 from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
+from tasks.training.loader import IGNORE_INDEX
+from tasks.training.loss import token_loss_sum
 from tasks.training.precision import autocast
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
 
 
+# Logits are scored this many elements at a time (16 MB in float32): eager cross-entropy over a whole batch's
+# float32 logits ran 4x slower here than over cache-sized pieces (0.50 vs 0.11 s per 8,192 tokens at vocab 8192).
+LOSS_CHUNK_ELEMENTS = 1 << 22
+
+
 @torch.no_grad()
 def stream_loss(
-    model: torch.nn.Module,
+    model: LlamaForPretraining,
     tokens: np.ndarray,
     *,
     context_id: int,
@@ -50,17 +56,21 @@ def stream_loss(
     sequence[1 : n + 1] = tokens
     inputs = torch.from_numpy(sequence[:-1].reshape(rows, seq_len))
     targets = torch.from_numpy(sequence[1:].reshape(rows, seq_len).copy())
-    targets.view(-1)[n:] = -100  # the last block's padding
+    targets.view(-1)[n:] = IGNORE_INDEX  # the last block's padding
     was_training = model.training
     model.eval()
     total = 0.0
     for start in range(0, rows, batch_size):
         x, y = inputs[start : start + batch_size].to(device), targets[start : start + batch_size].to(device)
         with autocast(device, dtype):
-            logits = model(x)
-        total += F.cross_entropy(
-            logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"
-        ).item()
+            hidden = model.hidden_states(x).flatten(0, 1)
+        rows = max(1, LOSS_CHUNK_ELEMENTS // model.config.vocab_size)
+        batch_nats = torch.zeros((), dtype=torch.float64, device=device)
+        for h, t in zip(hidden.split(rows), y.flatten().split(rows), strict=True):
+            with autocast(device, dtype):
+                logits = model.lm_head(h)
+            batch_nats += token_loss_sum(logits, t)
+        total += batch_nats.item()
     model.train(was_training)
     return total
 

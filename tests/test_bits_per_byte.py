@@ -77,8 +77,17 @@ def _reference_loss_sum(checkpoint: CheckpointRef, tokens: np.ndarray, context_i
     return total
 
 
-def test_bits_per_byte_is_the_summed_loss_over_the_exact_bytes_of_the_scored_text(bpb_world: tuple) -> None:
+# The logits are scored a chunk of rows at a time: whole batches at once, and 7 rows at a time (chunks that
+# cross block and batch boundaries unevenly) must give the reference's sum.
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_bits_per_byte_is_the_summed_loss_over_the_exact_bytes_of_the_scored_text(
+    bpb_world: tuple, chunk_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tasks.evaluate
+
     tokenizer, dataset, checkpoint, val_text = bpb_world
+    if chunk_rows is not None:
+        monkeypatch.setattr(tasks.evaluate, "LOSS_CHUNK_ELEMENTS", chunk_rows * 300)
     stream = _stream(dataset, tokenizer.pad_id)
     result = evaluate(
         checkpoint, dataset, tokenizer, max_blocks=None, num_samples=0, device="cpu", dtype="fp32"
