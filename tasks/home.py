@@ -99,7 +99,9 @@ def apply_embedded_defaults() -> None:
 
     Called by the entry points (the command line, the flows, the torchrun worker), never on import.
     Prefect's own defaults for the embedded server are in pyproject.toml (`[tool.prefect]`): Prefect
-    reads its settings when it is imported, so they cannot be set from here.
+    reads its settings when it is imported, so they cannot be set from here for this process. The
+    temporary server is another process, started later with this environment: its analytics are turned
+    off here too, for runs outside the checkout (a worker's directory), where pyproject.toml is not read.
     """
     for env, path in ((HOME_ENV, home()), (MLRUNS_ENV, mlruns_dir())):
         if not os.environ.get(env):
@@ -120,6 +122,8 @@ def apply_embedded_defaults() -> None:
         # request per step: benchmarks/tracking_overhead.py measured 5 ms/step more on SQLite).
         "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(home() / "inductor-cache"),
+        # Offline, a new temporary server's telemetry logged a "database is locked" ERROR at start-up.
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

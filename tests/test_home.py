@@ -105,3 +105,36 @@ def test_a_worker_flow_run_without_a_home_is_warned_that_its_caches_die_with_the
     assert os.environ["LLAMAFLOW_HOME"] == str(tmp_path / ".llamaflow")
     assert "LLAMAFLOW_HOME is not set on this worker" in caplog.text
     assert "lost when the run ends" in caplog.text
+
+
+@pytest.mark.e2e
+def test_a_run_outside_the_checkout_starts_its_temporary_prefect_server_with_analytics_off(
+    tmp_path: Path,
+) -> None:
+    """pyproject.toml turns Prefect's analytics off only where it is read (the checkout); elsewhere the
+    temporary server's telemetry logged an ERROR offline. The server reports its own settings."""
+    script = (
+        "from tasks.home import apply_embedded_defaults\n"
+        "apply_embedded_defaults()\n"
+        "from prefect import flow, get_client\n"
+        "from prefect.utilities.asyncutils import run_coro_as_sync\n"
+        "async def server_analytics():\n"
+        "    async with get_client() as client:\n"
+        "        return (await client._client.get('/admin/settings')).json()['server']['analytics_enabled']\n"
+        "@flow\n"
+        "def check():\n"
+        "    return run_coro_as_sync(server_analytics())\n"
+        "print('analytics', check())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LLAMAFLOW_"))}
+    env.update(
+        PYTHONPATH=str(REPO),
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        LLAMAFLOW_HOME=str(tmp_path / "home"),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "analytics False" in run.stdout.splitlines()
