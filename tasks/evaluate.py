@@ -29,8 +29,9 @@ from tasks.training.precision import autocast
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
 
 
-# Logits are scored this many elements at a time (16 MB in float32): eager cross-entropy over a whole batch's
-# float32 logits ran 4x slower here than over cache-sized pieces (0.50 vs 0.11 s per 8,192 tokens at vocab 8192).
+# Logits are scored this many elements at a time (16 MB in float32): the head and eager cross-entropy over a
+# whole batch's float32 logits ran ~4x slower here than in cache-sized pieces (0.52 vs 0.11 s per 8,192 tokens
+# at vocab 8192; benchmarks/results/levers_round4.json).
 LOSS_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -60,13 +61,13 @@ def stream_loss(
     was_training = model.training
     model.eval()
     total = 0.0
+    chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // model.config.vocab_size)
     for start in range(0, rows, batch_size):
         x, y = inputs[start : start + batch_size].to(device), targets[start : start + batch_size].to(device)
         with autocast(device, dtype):
             hidden = model.hidden_states(x).flatten(0, 1)
-        rows = max(1, LOSS_CHUNK_ELEMENTS // model.config.vocab_size)
         batch_nats = torch.zeros((), dtype=torch.float64, device=device)
-        for h, t in zip(hidden.split(rows), y.flatten().split(rows), strict=True):
+        for h, t in zip(hidden.split(chunk_rows), y.flatten().split(chunk_rows), strict=True):
             with autocast(device, dtype):
                 logits = model.lm_head(h)
             batch_nats += token_loss_sum(logits, t)

@@ -116,14 +116,12 @@ def test_a_run_outside_the_checkout_starts_its_temporary_prefect_server_with_ana
     script = (
         "from tasks.home import apply_embedded_defaults\n"
         "apply_embedded_defaults()\n"
+        "import httpx\n"
         "from prefect import flow, get_client\n"
-        "from prefect.utilities.asyncutils import run_coro_as_sync\n"
-        "async def server_analytics():\n"
-        "    async with get_client() as client:\n"
-        "        return (await client._client.get('/admin/settings')).json()['server']['analytics_enabled']\n"
         "@flow\n"
         "def check():\n"
-        "    return run_coro_as_sync(server_analytics())\n"
+        "    api = str(get_client(sync_client=True).api_url).rstrip('/')\n"
+        "    return httpx.get(f'{api}/admin/settings').json()['server']['analytics_enabled']\n"
         "print('analytics', check())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LLAMAFLOW_"))}
