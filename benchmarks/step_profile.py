@@ -1,4 +1,4 @@
-"""Where one optimizer step of a run preset goes, against what the machine's matmul peak allows.
+"""Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
     .venv/bin/python benchmarks/step_profile.py [--preset demo] [--steps 20] [--threads N] [--tag NAME]
 
@@ -60,6 +60,7 @@ def timed_step(
     plain: torch.nn.Module,
     optimizer: TrainOptimizer,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip: float,
 ) -> dict[str, float]:
     """One engine-shaped step, each phase timed (CPU: every op is synchronous)."""
     times: dict[str, float] = {}
@@ -72,7 +73,7 @@ def timed_step(
     loss.item()
     times["forward + backward"] = time.perf_counter() - start
     mark = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     times["clip_grad_norm_"] = time.perf_counter() - mark
     for name, part in optimizer.parts.items():
         mark = time.perf_counter()
@@ -150,11 +151,11 @@ def main() -> None:
     tokens = settings.micro_batch_size * config.seq_len * settings.accumulate_steps
 
     start = time.perf_counter()
-    timed_step(model, plain, optimizer, batches)
+    timed_step(model, plain, optimizer, batches, settings.grad_clip)
     first_step_s = time.perf_counter() - start
     for _ in range(3):
-        timed_step(model, plain, optimizer, batches)
-    runs = [timed_step(model, plain, optimizer, batches) for _ in range(args.steps)]
+        timed_step(model, plain, optimizer, batches, settings.grad_clip)
+    runs = [timed_step(model, plain, optimizer, batches, settings.grad_clip) for _ in range(args.steps)]
     phases = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
     split = kernel_split(model, batches, args.profile_steps)
     peak = matmul_peak(device, torch.bfloat16, args.peak_size)["flops_per_s"]

@@ -217,6 +217,8 @@ class TrainLoop:
         if self.compile_time_s is None:
             self.compile_time_s = wall_time
             metrics["train/compile_time_s"] = wall_time
+            # What MFU is relative to: a CPU's peak is measured (and may be re-measured by a later run).
+            metrics["train/peak_flops"] = self.peak_flops
         else:
             self.steady_tokens += int(n_tokens)
             self.steady_time += wall_time
