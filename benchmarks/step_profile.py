@@ -55,6 +55,16 @@ def muon_flops_per_step(model: torch.nn.Module, ns_steps: int) -> float:
     return total
 
 
+def forward_backward(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The engine's micro-batch loop: summed token losses over the step's token count, bf16 autocast."""
+    scale = 1.0 / sum(t.numel() for _, t in batches)
+    for inputs, targets in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(inputs, targets)
+        (loss * scale).backward()
+    return loss.item()
+
+
 def timed_step(
     model: torch.nn.Module,
     plain: torch.nn.Module,
@@ -64,13 +74,8 @@ def timed_step(
 ) -> dict[str, float]:
     """One engine-shaped step, each phase timed (CPU: every op is synchronous)."""
     times: dict[str, float] = {}
-    scale = 1.0 / sum(t.numel() for _, t in batches)
     start = time.perf_counter()
-    for inputs, targets in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(inputs, targets)
-        (loss * scale).backward()
-    loss.item()
+    forward_backward(model, batches)
     times["forward + backward"] = time.perf_counter() - start
     mark = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), grad_clip if grad_clip > 0 else float("inf"))
@@ -93,13 +98,9 @@ def kernel_split(
     from torch._inductor import config as inductor_config
 
     assert inductor_config.cpp.enable_kernel_profile  # set before compiling: names inductor's kernels
-    scale = 1.0 / sum(t.numel() for _, t in batches)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            for inputs, targets in batches:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = model(inputs, targets)
-                (loss * scale).backward()
+            forward_backward(model, batches)
             for param in model.parameters():
                 param.grad = None
     split: dict[str, float] = defaultdict(float)
