@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.bare_step import PhaseTimes, bare_step, forward_backward  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     load_average,
@@ -41,7 +42,7 @@ from benchmarks.common import (  # noqa: E402
 from flows.config import PretrainConfig  # noqa: E402
 from model import LlamaForPretraining, flops_per_token, get_preset  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
-from tasks.training.optim import TrainOptimizer, build_optimizer, parameter_roles  # noqa: E402
+from tasks.training.optim import build_optimizer, parameter_roles  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -55,42 +56,6 @@ def muon_flops_per_step(model: torch.nn.Module, ns_steps: int) -> float:
     return total
 
 
-def forward_backward(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """The engine's micro-batch loop: summed token losses over the step's token count, bf16 autocast."""
-    scale = 1.0 / sum(t.numel() for _, t in batches)
-    for inputs, targets in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(inputs, targets)
-        (loss * scale).backward()
-    return loss.item()
-
-
-def timed_step(
-    model: torch.nn.Module,
-    plain: torch.nn.Module,
-    optimizer: TrainOptimizer,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    grad_clip: float,
-) -> dict[str, float]:
-    """One engine-shaped step, each phase timed (CPU: every op is synchronous)."""
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    forward_backward(model, batches)
-    times["forward + backward"] = time.perf_counter() - start
-    mark = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(plain.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    times["clip_grad_norm_"] = time.perf_counter() - mark
-    for name, part in optimizer.parts.items():
-        mark = time.perf_counter()
-        part.step()
-        times[f"optimizer: {name}"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    times["zero_grad"] = time.perf_counter() - mark
-    times["step"] = time.perf_counter() - start
-    return times
-
-
 def kernel_split(
     model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int
 ) -> dict[str, float]:
@@ -100,7 +65,7 @@ def kernel_split(
     assert inductor_config.cpp.enable_kernel_profile  # set before compiling: names inductor's kernels
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            forward_backward(model, batches)
+            forward_backward(model, batches).item()
             for param in model.parameters():
                 param.grad = None
     split: dict[str, float] = defaultdict(float)
@@ -151,12 +116,20 @@ def main() -> None:
     ]
     tokens = settings.micro_batch_size * config.seq_len * settings.accumulate_steps
 
+    params = [p for p in plain.parameters() if p.requires_grad]
+
+    def timed_step() -> dict[str, float]:
+        times = PhaseTimes()
+        with times("step"):
+            bare_step(model, params, optimizer, batches, settings.grad_clip, times)
+        return times.seconds
+
     start = time.perf_counter()
-    timed_step(model, plain, optimizer, batches, settings.grad_clip)
+    timed_step()
     first_step_s = time.perf_counter() - start
     for _ in range(3):
-        timed_step(model, plain, optimizer, batches, settings.grad_clip)
-    runs = [timed_step(model, plain, optimizer, batches, settings.grad_clip) for _ in range(args.steps)]
+        timed_step()
+    runs = [timed_step() for _ in range(args.steps)]
     phases = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
     split = kernel_split(model, batches, args.profile_steps)
     peak = matmul_peak(device, torch.bfloat16, args.peak_size)["flops_per_s"]

@@ -23,21 +23,25 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model import count_params, get_preset, load_pretrained
-from tasks.build import build_model
-from tasks.data.packed import open_blocks, read_meta
-from tasks.dataset import build_dataset
-from tasks.tokenize import train_tokenizer
-from tasks.training import TrainSettings, fit
-from tasks.training.loader import BlockLoader
-from tasks.training.loss import LossHead, count_targets
-from tasks.training.optim import build_optimizer
+import torch  # noqa: E402
+
+from benchmarks.bare_step import bare_step  # noqa: E402
+from model import count_params, get_preset, load_pretrained  # noqa: E402
+from tasks.build import build_model  # noqa: E402
+from tasks.data.packed import open_blocks, read_meta  # noqa: E402
+from tasks.dataset import build_dataset  # noqa: E402
+from tasks.tokenize import train_tokenizer  # noqa: E402
+from tasks.training import TrainSettings, fit  # noqa: E402
+from tasks.training.loader import BlockLoader  # noqa: E402
+from tasks.training.loss import LossHead, count_targets  # noqa: E402
+from tasks.training.optim import build_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_engine.json"
 
@@ -70,18 +74,11 @@ def bare_step_tokens_per_s(model_ref, dataset_ref, batch: int, steps: int, setti
     params = [p for p in plain.parameters() if p.requires_grad]
     times = []
     for i in range(steps + 1):
-        ((inputs, targets),) = loader.next_step().micro_batches
+        batches = loader.next_step().micro_batches
         start = time.perf_counter()
-        n_tokens = count_targets([targets])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = step_fn(inputs, targets)
-        (loss / n_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
+        bare_step(step_fn, params, optimizer, batches, settings.grad_clip)
         if i:  # the first step compiles
-            times.append(n_tokens / (time.perf_counter() - start))
+            times.append(count_targets([t for _, t in batches]) / (time.perf_counter() - start))
     return statistics.median(times)
 
 
