@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     curve = []
     train_time, tokens, step = 0.0, 0, 0
-    next_eval = 0.0
+    evals_done = 0  # subset evaluations after step 0; counted, since progress % eval_every drifts
     losses = []
     ev = eval_subset(model)
     curve.append(dict(t=0.0, tokens=0, step=0, **ev))
@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
         step += 1
         losses.append(loss_sum / n_tok)
         progress = step / a.steps if a.steps else train_time / a.budget
-        if progress >= next_eval + a.eval_every - 1e-9 or progress >= 1.0:
-            next_eval = progress - (progress % a.eval_every)
+        if progress >= (evals_done + 1) * a.eval_every - 1e-9 or progress >= 1.0:
+            evals_done = int(progress / a.eval_every + 1e-9)
             ev = eval_subset(model)
             curve.append(
                 dict(
