@@ -35,10 +35,14 @@ class LlamaConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     # Not in Hugging Face's Llama: QK-norm (parameter-free RMS normalisation of each query and key head
-    # before RoPE) changes the function, so export_hf refuses it; zero-initialised output projections
-    # (o_proj, down_proj) only change the initial weights.
+    # before RoPE) and value embeddings change the function, so export_hf refuses them; zero-initialised
+    # output projections (o_proj, down_proj) only change the initial weights.
     qk_norm: bool = False
     zero_init_output_projections: bool = False
+    # Value embeddings (as in modded-nanogpt): `value_embeds` extra token tables of width
+    # num_key_value_heads * head_dim; table i is mixed into the attention values of layer i and of layer
+    # L - value_embeds + i through a learned 2-element gate per layer. 0 = off.
+    value_embeds: int = 0
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,16 @@ class LlamaConfig:
                 f"{self.num_key_value_heads} (grouped-query attention shares each key/value head among a "
                 "whole group of query heads)"
             )
+        if (
+            not isinstance(self.value_embeds, int)
+            or isinstance(self.value_embeds, bool)
+            or not 0 <= 2 * self.value_embeds <= self.num_hidden_layers
+        ):
+            raise ValueError(
+                f"LlamaConfig.value_embeds must be an integer from 0 to num_hidden_layers // 2 "
+                f"({self.num_hidden_layers // 2}): each table feeds one of the first and one of the last layers; "
+                f"got {self.value_embeds!r}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0 or self.initializer_range <= 0:
@@ -98,6 +112,15 @@ class LlamaConfig:
     @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def value_embed_index(self, layer_idx: int) -> int | None:
+        """The value-embedding table that feeds layer `layer_idx`, or None."""
+        first_of_last = self.num_hidden_layers - self.value_embeds
+        if layer_idx < self.value_embeds:
+            return layer_idx
+        if layer_idx >= first_of_last:
+            return layer_idx - first_of_last
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
@@ -231,13 +254,16 @@ def _config_param_counts(config: LlamaConfig) -> tuple[int, int]:
     )
     mlp = 3 * h * config.intermediate_size
     per_layer = attn + mlp + 2 * h
-    non_embedding = config.num_hidden_layers * per_layer + h
+    gates = 2 * sum(config.value_embed_index(i) is not None for i in range(config.num_hidden_layers))
+    non_embedding = config.num_hidden_layers * per_layer + h + gates
     embedding = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    embedding += config.value_embeds * config.vocab_size * config.num_key_value_heads * hd
     return non_embedding + embedding, non_embedding
 
 
 def count_params(config_or_model: LlamaConfig | nn.Module, non_embedding: bool = False) -> int:
-    """Number of parameters; `non_embedding=True` leaves out the token embedding and the output head.
+    """Number of parameters; `non_embedding=True` leaves out the token embeddings (value embeddings
+    included) and the output head.
 
     A model's shared (tied) tensors are counted once.
     """
@@ -251,7 +277,9 @@ def count_params(config_or_model: LlamaConfig | nn.Module, non_embedding: bool =
         if id(param) in seen:
             continue
         seen.add(id(param))
-        if non_embedding and (name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight")):
+        if non_embedding and (
+            name.endswith(("embed_tokens.weight", "lm_head.weight")) or ".value_embeds." in name
+        ):
             continue
         count += param.numel()
     return count

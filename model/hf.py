@@ -74,7 +74,7 @@ def _from_hf_state(hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str
 
 
 # LlamaConfig fields Hugging Face's Llama does not have (export_hf refuses a model that needs them).
-_LLAMAFLOW_ONLY = ("qk_norm", "zero_init_output_projections")
+_LLAMAFLOW_ONLY = ("qk_norm", "zero_init_output_projections", "value_embeds")
 
 
 def hf_config_dict(config: LlamaConfig, torch_dtype: torch.dtype, special_ids: dict[str, int | None]) -> dict:
@@ -132,6 +132,12 @@ def export_hf(
         raise ValueError(
             "this model normalises queries and keys (qk_norm=True), which Hugging Face's Llama does not: "
             "export_hf would write a different model; train with qk_norm=False to export"
+        )
+    if config.value_embeds:
+        raise ValueError(
+            f"this model mixes {config.value_embeds} value-embedding table(s) into its attention values "
+            "(value_embeds > 0), which Hugging Face's Llama does not: export_hf would write a different model; "
+            "train with value_embeds=0 to export"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

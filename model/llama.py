@@ -5,7 +5,9 @@ Speed choices: the q/k/v projections are one matmul (`qkv_proj`) and so are gate
 `model/hf.py` splits and joins them for Hugging Face interchange. A whole causal sequence (training,
 scoring) attends through the fastest kernel for its device (`attention_backend="auto"`: matmul attention on
 CPU, SDPA's causal flash kernel on CUDA); padding masks and KV caches go through SDPA. Optional document
-masking keeps attention inside each packed document. Nothing in `forward` syncs with the host.
+masking keeps attention inside each packed document. Optional value embeddings (`config.value_embeds`) mix
+a per-token table into the attention values of the first and last layers. Nothing in `forward` syncs with
+the host.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qk_norm_eps = config.rms_norm_eps if config.qk_norm else None
+        # Weights of (own values, value embedding) when a value-embedding table feeds this layer.
+        self.value_embed_gate = (
+            nn.Parameter(torch.empty(2)) if config.value_embed_index(layer_idx) is not None else None
+        )
 
     def forward(
         self,
@@ -62,6 +68,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: KVCache | None,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -69,6 +76,9 @@ class Attention(nn.Module):
         if self.qk_norm_eps is not None:
             q = F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps)
             k = F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps)
+        if self.value_embed_gate is not None and value_embed is not None:
+            gate = self.value_embed_gate.to(v.dtype)
+            v = gate[0] * v + gate[1] * value_embed.to(v.dtype).view_as(v)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
@@ -105,8 +115,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         plan: AttentionPlan,
         kv_cache: KVCache | None,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, kv_cache, value_embed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,6 +129,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        value_width = config.num_key_value_heads * config.head_dim
+        self.value_embeds = nn.ModuleList(
+            nn.Embedding(config.vocab_size, value_width) for _ in range(config.value_embeds)
+        )
 
 
 class LlamaForPretraining(nn.Module):
@@ -158,7 +173,8 @@ class LlamaForPretraining(nn.Module):
 
     def reset_parameters(self) -> None:
         """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms; zeros for
-        o_proj and down_proj with `zero_init_output_projections` (each block starts as the identity)."""
+        o_proj and down_proj with `zero_init_output_projections` (each block starts as the identity);
+        value-embedding gates (1, 0.5): the layer's own values at full weight, the table's at half."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -167,6 +183,9 @@ class LlamaForPretraining(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Attention) and module.value_embed_gate is not None:
+                with torch.no_grad():
+                    module.value_embed_gate.copy_(torch.tensor([1.0, 0.5]))
         if self.config.zero_init_output_projections:
             for layer in self.model.layers:
                 nn.init.zeros_(layer.self_attn.o_proj.weight)
@@ -254,8 +273,10 @@ class LlamaForPretraining(nn.Module):
             sin = self.rope_sin[position_ids].unsqueeze(2)
 
         h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, plan, kv_cache)
+        value_embeds = [table(input_ids) for table in self.model.value_embeds]
+        for i, layer in enumerate(self.model.layers):
+            table = self.config.value_embed_index(i)
+            h = layer(h, cos, sin, plan, kv_cache, None if table is None else value_embeds[table])
         h = self.model.norm(h)
         if attn_mask is not None:
             h = h * attn_mask[:, past:, None].to(h.dtype)

@@ -73,6 +73,13 @@ def test_flops_per_token_formula_by_hand() -> None:
     untied = get_preset("tiny", tie_word_embeddings=False)
     assert count_params(untied) == non_embedding + 2 * 8192 * 64
     assert flops_per_token(untied, 256) == flops_per_token(c, 256)
+    # One value-embedding table (vocab x 2 KV heads x 16) counts as embedding; its gates (2 per layer) do not.
+    with_ve = get_preset("tiny", value_embeds=1)
+    assert count_params(with_ve, non_embedding=True) == non_embedding + 2 * 2
+    assert count_params(with_ve) == non_embedding + 2 * 2 + 8192 * 64 + 8192 * 2 * 16
+    model = LlamaForPretraining(with_ve)
+    assert count_params(model) == count_params(with_ve)
+    assert count_params(model, non_embedding=True) == count_params(with_ve, non_embedding=True)
     with pytest.raises(ValueError, match="seq_len"):
         flops_per_token(c, 0)
 

@@ -36,14 +36,15 @@ def names(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> set[str]:
     return {by_id[id(p)] for p in params}
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_every_parameter_has_exactly_one_role(tied: bool) -> None:
-    model = tiny(tie_word_embeddings=tied)
+@pytest.mark.parametrize(("tied", "value_embeds"), [(True, 0), (False, 0), (True, 1)])
+def test_every_parameter_has_exactly_one_role(tied: bool, value_embeds: int) -> None:
+    model = tiny(tie_word_embeddings=tied, value_embeds=value_embeds)
     roles = {role: names(model, params) for role, params in parameter_roles(model).items()}
     assert roles["hidden"] == {
         n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("model.layers.")
     }
-    assert roles["embed"] == {"model.embed_tokens.weight"}
+    tables = {f"model.value_embeds.{i}.weight" for i in range(value_embeds)}
+    assert roles["embed"] == {"model.embed_tokens.weight"} | tables
     assert roles["head"] == (set() if tied else {"lm_head.weight"})
     assert roles["scalar"] == {n for n, p in model.named_parameters() if p.ndim == 1}
     every = [n for params in roles.values() for n in params]
