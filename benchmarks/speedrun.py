@@ -256,7 +256,9 @@ def main() -> None:
     tokenizer = train_tokenizer(config.data, config.vocab_size, val_fraction=config.val_fraction)
     dataset = build_dataset(config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction)
     model_ref = build_model(config.llama_config(), seed=config.seed)
-    plain_llama = replace(config.llama_config(), qk_norm=False, zero_init_output_projections=False)
+    plain_llama = replace(
+        config.llama_config(), qk_norm=False, zero_init_output_projections=False, value_embeds=0
+    )
     baseline_ref = build_model(plain_llama, seed=config.seed)
     blocks, val = open_blocks(dataset.path, "train"), open_blocks(dataset.path, "val")
     bpb = BitsPerByte(

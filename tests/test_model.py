@@ -181,8 +181,9 @@ def test_rope_tables_stay_float32_and_out_of_the_state_dict() -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_backward_reaches_every_parameter() -> None:
-    model = tiny().train()
+@pytest.mark.parametrize("value_embeds", [0, 1])
+def test_backward_reaches_every_parameter(value_embeds: int) -> None:
+    model = tiny(value_embeds=value_embeds).train()
     ids = torch.randint(0, 8192, (2, 12))
     logits = model(ids[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -194,18 +195,21 @@ def test_backward_reaches_every_parameter() -> None:
 
 
 def test_weights_round_trip_tied_and_untied(tmp_path) -> None:
-    for tied in (True, False):
-        model = tiny(tie_word_embeddings=tied)
-        path = save_weights(model, tmp_path / f"w{tied}.safetensors")
+    for tied, value_embeds in ((True, 0), (False, 0), (True, 1)):
+        model = tiny(tie_word_embeddings=tied, value_embeds=value_embeds)
+        path = save_weights(model, tmp_path / f"w{tied}{value_embeds}.safetensors")
         keys = set(load_file(path))
         assert ("lm_head.weight" in keys) is (not tied)
         assert json.loads(read_metadata(path)["config"]) == model.config.to_dict()
-        fresh = tiny(seed=9, tie_word_embeddings=tied)
+        fresh = tiny(seed=9, tie_word_embeddings=tied, value_embeds=value_embeds)
         load_weights(fresh, path)
-        (tmp_path / f"dir{tied}").mkdir()
-        save_weights(model, tmp_path / f"dir{tied}" / "model.safetensors")
+        (tmp_path / f"dir{tied}{value_embeds}").mkdir()
+        save_weights(model, tmp_path / f"dir{tied}{value_embeds}" / "model.safetensors")
         assert torch.equal(
-            load_weights(tiny(seed=8, tie_word_embeddings=tied), tmp_path / f"dir{tied}").lm_head.weight,
+            load_weights(
+                tiny(seed=8, tie_word_embeddings=tied, value_embeds=value_embeds),
+                tmp_path / f"dir{tied}{value_embeds}",
+            ).lm_head.weight,
             model.lm_head.weight,
         )
         ids = torch.randint(0, 8192, (1, 8))
@@ -249,10 +253,11 @@ def test_compiled_model_matches_eager_without_graph_breaks(compiled_pair) -> Non
         assert explanation.graph_count == 1
 
 
-def test_one_full_graph_for_every_shape_mask_and_length() -> None:
+@pytest.mark.parametrize("value_embeds", [0, 1])
+def test_one_full_graph_for_every_shape_mask_and_length(value_embeds: int) -> None:
     """fullgraph=True turns any graph break into an error; the eager backend keeps it cheap (no inductor)."""
     torch._dynamo.reset()
-    model = tiny()
+    model = tiny(value_embeds=value_embeds)
     compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
     for batch, seq in ((4, 32), (3, 17), (1, 1)):
         ids = torch.randint(0, 8192, (batch, seq))

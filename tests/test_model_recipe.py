@@ -91,7 +91,7 @@ def test_value_embeddings_mix_a_gated_token_table_into_the_values_of_the_first_a
     torch.testing.assert_close(after[1], changed[1])
 
 
-def test_value_embeddings_keep_incremental_decoding_and_train() -> None:
+def test_value_embeddings_keep_incremental_decoding() -> None:
     model = tiny(value_embeds=1)
     ids = torch.randint(0, 2048, (1, 10))
     with torch.no_grad():
@@ -100,9 +100,6 @@ def test_value_embeddings_keep_incremental_decoding_and_train() -> None:
         steps = [model(ids[:, :4], kv_cache=cache)]
         steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(4, 10)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    model(ids).logsumexp(-1).mean().backward()
-    assert model.model.value_embeds[0].weight.grad[ids[0]].abs().sum() > 0
-    assert all(layer.self_attn.value_embed_gate.grad.abs().min() > 0 for layer in model.model.layers)
 
 
 def test_config_round_trip_and_hugging_face_export(tmp_path) -> None:
