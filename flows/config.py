@@ -35,12 +35,13 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "model_name": "llamaflow-tiny",
     },
     # The README's main job: a 6.1M-parameter Llama (the `demo` model, 2 x 320, and a 1.3M value-embedding
-    # table) on the stdlib corpus, under 10 minutes on 2 CPU cores. Every choice was measured against the alternatives at equal wall time
-    # (benchmarks/README.md §6): Muon for the hidden matrices (0.03 at this length: 1.190 bits per byte
-    # against 1.1997 at 0.04), AdamW at 2e-2 for the (tied) embedding and 4e-3 for the norms,
-    # warmup-stable-decay to zero over the last 40%, 4,096-token steps of 128-token sequences (micro 16 x
-    # accumulation 2), QK-norm, zero-initialised output projections. Round 6: value embeddings and AdamW
-    # beta1 0.8 at 1,350 steps (1.1876) beat the round-4 preset's 1,400 steps (1.1904) in about its time.
+    # table) on the stdlib corpus, in about 10 minutes on 2 CPU cores. Every choice was measured against the
+    # alternatives at equal wall time (benchmarks/README.md §6): Muon for the hidden matrices (0.03 at this
+    # length: 1.190 bits per byte against 1.1997 at 0.04), AdamW at 2e-2 for the (tied) embedding and 4e-3
+    # for the norms, warmup-stable-decay to zero over the last 40%, 4,096-token steps of 128-token sequences
+    # (micro 16 x accumulation 2), QK-norm, zero-initialised output projections. Round 6: value embeddings
+    # and AdamW beta1 0.8 at 1,350 steps (1.1875) beat the round-4 preset's 1,400 steps (1.1904) in about
+    # its time.
     "demo": {
         "model": "demo",
         "model_overrides": {"qk_norm": True, "zero_init_output_projections": True, "value_embeds": 1},
