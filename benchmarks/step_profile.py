@@ -1,6 +1,6 @@
 """Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
-    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--steps 20] [--threads N] [--tag NAME]
+    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--steps 20] [--threads N] [--tag NAME]
 
 Builds the preset's model and optimizer exactly as the engine does (`PretrainConfig(preset=...)`,
 `build_optimizer`, `LossHead` compiled, bf16 autocast, deterministic algorithms on CPU) and times, per step,
@@ -87,6 +87,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="demo", help="a run preset of flows.config (default: demo)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -99,7 +100,8 @@ def main() -> None:
     inductor_config.cpp.enable_kernel_profile = True
     threads = set_threads(args.threads)
     device = torch.device("cpu")
-    config = PretrainConfig(preset=args.preset)
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    config = PretrainConfig(preset=args.preset, **overrides)
     settings = config.train_settings()
     model_config = get_preset(config.model, vocab_size=config.vocab_size, **config.model_overrides)
     load_before = load_average()

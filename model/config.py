@@ -174,9 +174,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
-    # ~4.8M parameters with vocab 8192: trains to readable text on 2 CPU cores in minutes. Wide and shallow
-    # because at a main job's budget (~3-4M tokens) 2 x 320 learned more per second than 3 or 4 x 320,
-    # 4 x 384 and 6 x 256 (benchmarks/README.md §6).
+    # ~4.8M parameters with vocab 8192 (3.5M at the main job's 4096): readable text on 2 CPU cores in
+    # minutes. Wide and shallow because at a main job's budget (~3-4M tokens) 2 x 320 learned more per
+    # second than 3 or 4 x 320, 4 x 384 and 6 x 256 (benchmarks/README.md §6).
     "demo": dict(
         vocab_size=8192,
         hidden_size=320,

@@ -45,7 +45,7 @@ def _check_vocab_size(vocab_size: int) -> None:
     if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
         raise DataError(
             f"vocab_size={vocab_size} is out of range: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "
-            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens); 8192 suits the default corpus."
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens); 4096 suits the default corpus."
         )
 
 
