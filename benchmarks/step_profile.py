@@ -1,6 +1,7 @@
 """Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
-    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--steps 20] [--threads N] [--tag NAME]
+    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--steps 20] [--threads N]
+        [--tag NAME]
 
 Builds the preset's model and optimizer exactly as the engine does (`PretrainConfig(preset=...)`,
 `build_optimizer`, `LossHead` compiled, bf16 autocast, deterministic algorithms on CPU) and times, per step,

@@ -35,7 +35,7 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "model_name": "llamaflow-tiny",
     },
     # The README's main job: a 4.2M-parameter Llama (the `demo` model, 2 x 320, a 4,096-token vocabulary and
-    # a 0.7M value-embedding table) on the stdlib corpus, in about 9 minutes on 2 CPU cores. Every choice was
+    # a 0.7M value-embedding table) on the stdlib corpus, in about 8 minutes on 2 CPU cores. Every choice was
     # measured against the alternatives at equal wall time (benchmarks/README.md §6): Muon for the hidden
     # matrices (0.03 at this length: 1.190 bits per byte against 1.1997 at 0.04), AdamW at 2e-2 for the
     # (tied) embedding and 4e-3 for the norms, warmup-stable-decay to zero over the last 40%, 4,096-token
