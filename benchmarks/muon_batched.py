@@ -89,7 +89,7 @@ def main() -> None:
     grads = [torch.randn_like(p) * 1e-2 for p in hidden]
     load_before = load_average()
 
-    def torch_variant() -> Callable[[], None]:
+    def torch_variant() -> tuple[list[torch.Tensor], Callable[[], None]]:
         params = [p.detach().clone().requires_grad_() for p in hidden]
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
@@ -97,36 +97,28 @@ def main() -> None:
             params, lr=settings.muon_lr, momentum=settings.muon_momentum, nesterov=True,
             ns_steps=settings.muon_ns_steps, adjust_lr_fn=settings.muon_adjust_lr, weight_decay=0.0,
         )  # fmt: skip
-        return opt.step
+        return params, opt.step
 
-    def batched_variant(compiled: bool) -> Callable[[], None]:
+    def batched_variant(compiled: bool) -> tuple[list[torch.Tensor], Callable[[], None]]:
         params = [p.detach().clone() for p in hidden]
         bufs = [torch.zeros_like(p) for p in hidden]
         fn = torch.compile(orthogonalise_batched, dynamic=False) if compiled else orthogonalise_batched
-        return lambda: batched_muon_step(
+        return params, lambda: batched_muon_step(
             params, grads, bufs, settings.muon_lr, settings.muon_momentum, settings.muon_ns_steps,
             settings.muon_adjust_lr, fn,
         )  # fmt: skip
 
-    # Agreement: one step from the same weights and gradients.
-    ref = [p.detach().clone().requires_grad_() for p in hidden]
-    for p, g in zip(ref, grads, strict=True):
-        p.grad = g.clone()
-    torch.optim.Muon(ref, lr=settings.muon_lr, momentum=settings.muon_momentum, nesterov=True,
-                     ns_steps=settings.muon_ns_steps, adjust_lr_fn=settings.muon_adjust_lr,
-                     weight_decay=0.0).step()  # fmt: skip
-    mine = [p.detach().clone() for p in hidden]
-    batched_muon_step(
-        mine, grads, [torch.zeros_like(p) for p in hidden], settings.muon_lr, settings.muon_momentum,
-        settings.muon_ns_steps, settings.muon_adjust_lr, orthogonalise_batched,
-    )  # fmt: skip
+    # Agreement: one step of each from the same weights and gradients.
+    (ref, ref_step), (mine, mine_step) = torch_variant(), batched_variant(False)
+    ref_step()
+    mine_step()
     max_diff = max((a.detach() - b).abs().max().item() for a, b in zip(ref, mine, strict=True))
     step_size = max((a.detach() - h.detach()).abs().max().item() for a, h in zip(ref, hidden, strict=True))
 
     variants = {
-        "torch": torch_variant(),
-        "batched": batched_variant(False),
-        "batched-compiled": batched_variant(True),
+        "torch": torch_variant()[1],
+        "batched": batched_variant(False)[1],
+        "batched-compiled": batched_variant(True)[1],
     }
     for step in variants.values():
         step()
