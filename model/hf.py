@@ -74,7 +74,18 @@ def _from_hf_state(hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str
 
 
 # LlamaConfig fields Hugging Face's Llama does not have (export_hf refuses a model that needs them).
-_LLAMAFLOW_ONLY = ("qk_norm", "zero_init_output_projections", "value_embeds")
+_LLAMAFLOW_ONLY = (
+    "qk_norm",
+    "zero_init_output_projections",
+    "value_embeds",
+    "bigram_embeds",
+)
+# Of those, the ones that change the function (export_hf refuses a model that sets them), with what they do.
+_NOT_IN_HF_LLAMA = {
+    "qk_norm": "normalises queries and keys (qk_norm=True)",
+    "value_embeds": "mixes value-embedding tables into its attention values (value_embeds > 0)",
+    "bigram_embeds": "adds a bigram hash embedding to its residual stream (bigram_embeds > 0)",
+}
 
 
 def hf_config_dict(config: LlamaConfig, torch_dtype: torch.dtype, special_ids: dict[str, int | None]) -> dict:
@@ -128,17 +139,13 @@ def export_hf(
             f"export_hf expects a LlamaForPretraining (possibly compiled), got {type(plain).__name__}"
         )
     config = plain.config
-    if config.qk_norm:
-        raise ValueError(
-            "this model normalises queries and keys (qk_norm=True), which Hugging Face's Llama does not: "
-            "export_hf would write a different model; train with qk_norm=False to export"
-        )
-    if config.value_embeds:
-        raise ValueError(
-            f"this model mixes {config.value_embeds} value-embedding table(s) into its attention values "
-            "(value_embeds > 0), which Hugging Face's Llama does not: export_hf would write a different model; "
-            "train with value_embeds=0 to export"
-        )
+    for name, what in _NOT_IN_HF_LLAMA.items():
+        if getattr(config, name):
+            off = "False" if name == "qk_norm" else "0"
+            raise ValueError(
+                f"this model {what}, which Hugging Face's Llama does not: export_hf would write a different "
+                f"model; train with {name}={off} to export"
+            )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
