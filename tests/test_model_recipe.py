@@ -93,15 +93,19 @@ def test_value_embeddings_mix_a_gated_token_table_into_the_values_of_the_first_a
     torch.testing.assert_close(after[1], changed[1])
 
 
+def _decoded_logits(model: LlamaForPretraining, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of `ids` from a 4-token prefill and then one token at a time through the KV cache."""
+    cache = KVCache(model.config, batch_size=ids.shape[0], max_len=ids.shape[1])
+    steps = [model(ids[:, :4], kv_cache=cache)]
+    steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(4, ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
 def test_value_embeddings_keep_incremental_decoding() -> None:
     model = tiny(value_embeds=1)
     ids = torch.randint(0, 2048, (1, 10))
     with torch.no_grad():
-        full = model(ids)
-        cache = KVCache(model.config, batch_size=1, max_len=10)
-        steps = [model(ids[:, :4], kv_cache=cache)]
-        steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(4, 10)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(_decoded_logits(model, ids), model(ids), rtol=1e-4, atol=1e-4)
 
 
 def test_config_round_trip_and_hugging_face_export(tmp_path) -> None:
@@ -156,11 +160,7 @@ def test_bigram_embeddings_keep_incremental_decoding_and_left_padding() -> None:
         model.model.bigram_embed.weight.normal_(0, 1.0)
     ids = torch.randint(0, 2048, (2, 10))
     with torch.no_grad():
-        full = model(ids)
-        cache = KVCache(model.config, batch_size=2, max_len=10)
-        steps = [model(ids[:, :4], kv_cache=cache)]
-        steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(4, 10)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(_decoded_logits(model, ids), model(ids), rtol=1e-4, atol=1e-4)
         # A left-padded row scores its tokens as the unpadded row does: the pad is nobody's previous token.
         mask = torch.ones(2, 10, dtype=torch.long)
         mask[1, :3] = 0
