@@ -1,7 +1,7 @@
 """Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
-    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--steps 20] [--threads N]
-        [--tag NAME]
+    .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--micro-batch-size N]
+        [--accumulate-steps N] [--steps 20] [--threads N] [--tag NAME]
 
 Builds the preset's model and optimizer exactly as the engine does (`PretrainConfig(preset=...)`,
 `build_optimizer`, `LossHead` compiled, bf16 autocast, deterministic algorithms on CPU) and times, per step,
@@ -89,6 +89,12 @@ def main() -> None:
     )
     parser.add_argument("--preset", default="demo", help="a run preset of flows.config (default: demo)")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None, help="override the preset's micro-batch"
+    )
+    parser.add_argument(
+        "--accumulate-steps", type=int, default=None, help="override the preset's accumulation"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -101,7 +107,12 @@ def main() -> None:
     inductor_config.cpp.enable_kernel_profile = True
     threads = set_threads(args.threads)
     device = torch.device("cpu")
-    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    given = {
+        "vocab_size": args.vocab_size,
+        "micro_batch_size": args.micro_batch_size,
+        "accumulate_steps": args.accumulate_steps,
+    }
+    overrides = {key: value for key, value in given.items() if value is not None}
     config = PretrainConfig(preset=args.preset, **overrides)
     settings = config.train_settings()
     model_config = get_preset(config.model, vocab_size=config.vocab_size, **config.model_overrides)
