@@ -1,7 +1,7 @@
 """Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
     .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--micro-batch-size N]
-        [--accumulate-steps N] [--steps 20] [--threads N] [--tag NAME]
+        [--accumulate-steps N] [--muon-ns-steps N] [--steps 20] [--threads N] [--tag NAME]
 
 Builds the preset's model and optimizer exactly as the engine does (`PretrainConfig(preset=...)`,
 `build_optimizer`, `LossHead` compiled, bf16 autocast, deterministic algorithms on CPU) and times, per step,
@@ -95,6 +95,9 @@ def main() -> None:
     parser.add_argument(
         "--accumulate-steps", type=int, default=None, help="override the preset's accumulation"
     )
+    parser.add_argument(
+        "--muon-ns-steps", type=int, default=None, help="override the preset's Newton-Schulz iterations"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -111,6 +114,7 @@ def main() -> None:
         "vocab_size": args.vocab_size,
         "micro_batch_size": args.micro_batch_size,
         "accumulate_steps": args.accumulate_steps,
+        "muon_ns_steps": args.muon_ns_steps,
     }
     overrides = {key: value for key, value in given.items() if value is not None}
     config = PretrainConfig(preset=args.preset, **overrides)

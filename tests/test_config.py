@@ -36,7 +36,7 @@ NON_DEFAULT_FLAGS = {
     "scalar_lr": ["--scalar-lr", "0.005"],
     "muon_lr": ["--muon-lr", "0.05"],
     "muon_momentum": ["--muon-momentum", "0.9"],
-    "muon_ns_steps": ["--muon-ns-steps", "4"],
+    "muon_ns_steps": ["--muon-ns-steps", "3"],
     "muon_weight_decay": ["--muon-weight-decay", "0.01"],
     "muon_adjust_lr": ["--muon-adjust-lr", "match_rms_adamw"],
     "min_lr_ratio": ["--min-lr-ratio", "0.25"],
