@@ -87,6 +87,21 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest_each_with_its_lr() ->
     assert sorted(g["lr"] for g in opt.param_groups) == sorted([2e-3, 1e-2, 2.5e-3, 0.025])
 
 
+def test_muon_weight_decay_shrinks_the_hidden_matrices_alone_by_the_scheduled_lr() -> None:
+    model = tiny(tie_word_embeddings=False)
+    settings = TrainSettings(optimizer="muon", lr=1e-3, weight_decay=0.0, muon_lr=0.05, muon_weight_decay=0.5)
+    opt = build_optimizer(model, settings, CPU)
+    hidden = names(model, parameter_roles(model)["hidden"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)  # no update: only the decoupled decay moves a weight
+    opt.set_lr_scale(0.5)  # the decay follows the schedule: 1 - 0.025 * 0.5
+    opt.step()
+    for name, param in model.named_parameters():
+        factor = 1 - 0.025 * 0.5 if name in hidden else 1.0
+        torch.testing.assert_close(param.detach(), before[name] * factor, rtol=1e-6, atol=0, msg=name)
+
+
 def test_state_dict_round_trip_and_a_mismatched_checkpoint_is_refused_by_name() -> None:
     model = tiny()
     opt = build_optimizer(model, TrainSettings(optimizer="muon"), CPU)
