@@ -27,7 +27,11 @@ COMPILED_MODEL_ERROR = (
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside torch.compile (`_orig_mod`) and DistributedDataParallel (`.module`) wrappers."""
+    """The plain module inside torch.compile (`_orig_mod`) and DistributedDataParallel (`.module`) wrappers.
+
+    FSDP2 (`fully_shard`) shards a module in place: it has no wrapper to strip, but its parameters are
+    DTensor shards (see `save_weights`).
+    """
     while True:
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
@@ -41,20 +45,34 @@ def is_compiled(model: nn.Module) -> bool:
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or hasattr(model, "_orig_mod")
 
 
-def _tied_head(model: nn.Module) -> bool:
+def has_tied_head(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return bool(getattr(config, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
 
 
-def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+def save_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    metadata: dict[str, str] | None = None,
+    *,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Write the unwrapped module's state dict to `path` as safetensors (atomically).
 
     A tied output head is stored once (as the embedding). The model config, if any, goes into the file's
-    metadata under "config" as JSON.
+    metadata under "config" as JSON. `state` replaces the module's own state dict: the whole state dict
+    gathered from a sharded (FSDP2) module, whose own parameters are only this rank's shards.
     """
     plain = unwrap(model)
-    state = plain.state_dict()
-    if _tied_head(plain):
+    state = dict(plain.state_dict() if state is None else state)
+    sharded = sorted(name for name, t in state.items() if _is_sharded(t))
+    if sharded:
+        raise ValueError(
+            f"save_weights got sharded tensors ({sharded[:3]}...): the module is sharded (FSDP2). Gather its "
+            "whole state dict on one rank first (torch.distributed.checkpoint.state_dict.get_model_state_dict "
+            "with StateDictOptions(full_state_dict=True, cpu_offload=True)) and pass it as state="
+        )
+    if has_tied_head(plain):
         state.pop("lm_head.weight", None)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}
     meta = {"format": "pt"}
@@ -65,6 +83,15 @@ def save_weights(model: nn.Module, path: str | os.PathLike, metadata: dict[str, 
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return Path(path)
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor: a distributed tensor, of which each rank holds a part."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -113,16 +140,28 @@ def load_state(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, source:
             while name.startswith(prefix):
                 name = name[len(prefix) :]
         state[name] = tensor
-    if _tied_head(plain) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+    if has_tied_head(plain) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
 
-    expected = plain.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    check_fit(
+        {k: t.shape for k, t in plain.state_dict().items()},
+        {k: t.shape for k, t in state.items()},
+        source=source,
+        hint=hint,
+    )
+    plain.load_state_dict(state, strict=True)
+
+
+def check_fit(
+    expected: Mapping[str, torch.Size], found: Mapping[str, torch.Size], *, source: str, hint: str = ""
+) -> None:
+    """Raise a ValueError naming every missing, unexpected and wrongly shaped tensor of `found`."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     wrong_shape = [
-        f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        f"{k}: file {tuple(found[k])} vs model {tuple(expected[k])}"
         for k in expected
-        if k in state and state[k].shape != expected[k].shape
+        if k in found and tuple(found[k]) != tuple(expected[k])
     ]
     if missing or unexpected or wrong_shape:
         raise ValueError(
@@ -130,7 +169,12 @@ def load_state(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, source:
             f"wrong shapes {wrong_shape[:5]}. Build the model with the config the weights were saved with."
             + hint
         )
-    plain.load_state_dict(state, strict=True)
+
+
+def stored_shapes(path: str | os.PathLike) -> dict[str, torch.Size]:
+    """Name -> shape of every tensor in a safetensors file, read from its header (no tensor data)."""
+    with safe_open(str(path), framework="pt") as f:
+        return {name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not iterable)
 
 
 def load_pretrained(

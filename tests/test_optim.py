@@ -16,7 +16,7 @@ from model import LlamaForPretraining, get_preset
 from synthetic import model_ref as build_model_ref
 from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainSettings, fit, read_metrics
+from tasks.training import TrainSettings, fit, lr_at, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs
 from tasks.training.optim import build_optimizer, parameter_roles
 
@@ -188,15 +188,18 @@ MUON_TOLERANCE = {"loss_rtol": 5e-3, "weights_rel": 0.25}
 
 
 class MuonGradients:
-    """Records the gradients torch.optim.Muon receives at each of its steps (in this process)."""
+    """Records the gradients torch.optim.Muon receives at each of its steps (in this process), and the LR
+    its parameter group holds then."""
 
     def __init__(self) -> None:
         self.steps: list[list[torch.Tensor]] = []
+        self.lrs: list[float] = []
 
     def __enter__(self) -> MuonGradients:
         def hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
             if isinstance(optimizer, torch.optim.Muon):
                 self.steps.append([p.grad.detach().clone() for p in optimizer.param_groups[0]["params"]])
+                self.lrs.append(optimizer.param_groups[0]["lr"])
 
         self.handle = register_optimizer_step_pre_hook(hook)
         return self
@@ -223,8 +226,12 @@ def test_muon_with_accumulation_matches_one_big_micro_batch(
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(losses(split.run_dir), losses(whole.run_dir), rtol=MUON_TOLERANCE["loss_rtol"])
     assert_same_training(split.path, whole.path, model_ref, MUON_TOLERANCE["weights_rel"])
+    # The LR Muon's parameter group applied follows the schedule with Muon's own peak, and it is what the
+    # run logged (warmup 2 of 8 steps, cosine to 0.1 of the peak).
+    expected = [lr_at(step, lr=0.04, total_steps=8, warmup_steps=2, min_lr_ratio=0.1) for step in range(8)]
+    assert split_grads.lrs == pytest.approx(expected, rel=1e-12)
     logged = read_metrics(split.run_dir)
-    assert logged[3]["train/muon_lr"] == pytest.approx(0.04 * logged[3]["train/lr"] / 3e-3)
+    assert [logged[s]["train/muon_lr"] for s in range(1, 9)] == split_grads.lrs
 
 
 def test_muon_resume_reproduces_the_run_bit_for_bit(

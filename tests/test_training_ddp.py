@@ -18,7 +18,7 @@ from model import LlamaConfig, LlamaForPretraining, get_preset
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef
 from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
-from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem, sha256_file
 from tasks.training.engine import run_process
 from tasks.training.faults import ENV_VAR
 
@@ -74,6 +74,18 @@ def rng_of(checkpoint: Path, rank: int) -> dict:
     return torch.load(checkpoint / f"rng_rank_{rank}.pt", weights_only=True)
 
 
+def mark_rng_state(checkpoint: Path, rank: int, seed: int) -> torch.Tensor:
+    """Put a torch generator state no rank would reach by itself into rank `rank`'s RNG file of
+    `checkpoint` (its checksum updated), and return it."""
+    state = rng_of(checkpoint, rank)
+    state["torch"] = torch.Generator().manual_seed(seed).get_state()
+    torch.save(state, checkpoint / f"rng_rank_{rank}.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"][f"rng_rank_{rank}.pt"] = sha256_file(checkpoint / f"rng_rank_{rank}.pt")
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    return state["torch"]
+
+
 def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,6 +101,9 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
     ddp_sink = Recorder()
     with pytest.raises(TrainingError, match="torchrun with 2 workers failed"):
         fit(model, dataset, split_settings(2, 2), tmp_path / "ddp", ddp_sink, progress=False)
+    step2 = tmp_path / "ddp" / "step_000002"
+    assert not torch.equal(rng_of(step2, 0)["torch"], rng_of(step2, 1)["torch"])  # seeded per rank
+    markers = [mark_rng_state(step2, rank, seed=100 + rank) for rank in (0, 1)]
     ddp = fit(model, dataset, split_settings(2, 2), tmp_path / "ddp", ddp_sink, progress=False)
     monkeypatch.delenv(ENV_VAR)
 
@@ -116,14 +131,15 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
     assert moved > 1e-3  # the weights did train
     assert_plain_weight_names(ddp.path, config)
 
-    # One RNG file per rank, each in the manifest; each rank restored its own (nothing draws in between).
-    step2, step4 = Path(ddp.run_dir) / "step_000002", Path(ddp.path)
+    # One RNG file per rank, each in the manifest, and each rank restored its own on the retry: the retry
+    # resumed from step 2, whose RNG files were replaced by markers above (nothing draws between steps,
+    # so the step-4 files hold exactly what each rank restored; fresh generators would not match).
+    step4 = Path(ddp.path)
     assert {"rng_rank_0.pt", "rng_rank_1.pt"} <= json.loads((step4 / "manifest.json").read_text())[
         "sha256"
     ].keys()
-    assert not torch.equal(rng_of(step2, 0)["torch"], rng_of(step2, 1)["torch"])  # seeded per rank
     for rank in (0, 1):
-        assert torch.equal(rng_of(step4, rank)["torch"], rng_of(step2, rank)["torch"]), rank
+        assert torch.equal(rng_of(step4, rank)["torch"], markers[rank]), rank
 
     # The same run resumed by one process accumulating 4: the same global batch, so it may continue.
     resumed_dir = tmp_path / "one_process"
@@ -141,38 +157,42 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
         run_process(model, dataset, split_settings(2, 2), ddp.run_dir, progress=False)
 
 
-def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path: Path) -> None:
+def test_gradients_are_all_reduced_once_per_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """no_sync on every micro-batch but the last: one all-reduce per gradient bucket and optimizer step,
-    also in an epoch's last step with fewer micro-batches (a one-process gloo group, DDP as the worker wraps it)."""
+    also in an epoch's last step with fewer micro-batches (a one-process gloo group: the engine wraps DDP
+    whenever it runs in a process group, as under torchrun)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from tasks.training.worker import _wrap_ddp
+    from tasks.training import parallelize
 
     dataset = padded_dataset(tmp_path / "packed")
     model = model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ))
     events: list[int | str] = []  # bucket indices all-reduced, and "step" at each optimizer.step()
 
-    def wrap_and_count(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        ddp = _wrap_ddp(module, device)
+    class CountingDDP(parallelize.DistributedDataParallel):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
 
-        # No annotations: DDP checks them, and this module's are strings (postponed evaluation).
-        def counting_allreduce(state, bucket):
-            events.append(bucket.index())
-            return allreduce_hook(None, bucket)
+            # No annotations: DDP checks them, and this module's are strings (postponed evaluation).
+            def counting_allreduce(state, bucket):
+                events.append(bucket.index())
+                return allreduce_hook(None, bucket)
 
-        ddp.register_comm_hook(None, counting_allreduce)
-        return ddp
+            self.register_comm_hook(None, counting_allreduce)
 
     def step_marker(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         events.append("step")
 
+    monkeypatch.setattr(parallelize, "DistributedDataParallel", CountingDDP)
     handle = register_optimizer_step_pre_hook(step_marker)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         # Global batch 8 over 29 blocks: steps of 4, 4, 4 and 2 micro-batches.
         run = split_settings(1, 4).model_copy(update={"checkpoint_every": 0})
-        run_process(model, dataset, run, tmp_path / "run", progress=False, ddp_wrap=wrap_and_count)
+        run_process(model, dataset, run, tmp_path / "run", progress=False)
     finally:
         dist.destroy_process_group()
         handle.remove()

@@ -352,8 +352,9 @@ def test_injected_crash_happens_once_and_the_retry_resumes(
 
 def first_moment_norm(checkpoint: str, beta1: float) -> float:
     """Global norm of the gradient the optimizer applied at step 1: AdamW's exp_avg is then (1 - beta1) * g."""
-    state = torch.load(Path(checkpoint) / "optimizer.pt", weights_only=True)["adamw"]["state"]
-    squares = sum(float(s["exp_avg"].double().pow(2).sum()) for s in state.values())
+    shards = (Path(checkpoint) / "optimizer").glob("*.safetensors")
+    state = {name: tensor for shard in shards for name, tensor in load_file(str(shard)).items()}
+    squares = sum(float(t.double().pow(2).sum()) for name, t in state.items() if name.endswith(".exp_avg"))
     return math.sqrt(squares) / (1 - beta1)
 
 

@@ -1,15 +1,25 @@
 """Atomic, checksummed checkpoints `step_000123/` and finding the newest good one to resume from.
 
-A checkpoint is written into a private `.step_000123.tmp-*` directory, `manifest.json` (sha256 of every
-other file) written last, every file fsynced, then the directory is renamed into place (`model.atomic`).
-A directory without a valid manifest is never resumed from, so a `kill -9` at any moment leaves either the old or the new checkpoint usable.
-Each rank's RNG state is a file of its own (`rng_rank_<rank>.pt`), listed in the manifest like the others.
+A checkpoint is written by every rank into one private `.step_000123.tmp-*` directory (the main rank makes
+it); when every rank has written and fsynced its files, `manifest.json` (sha256 of every other file) is
+written last and the directory renamed into place (`model.atomic`). A directory without a valid manifest
+is never resumed from, so a `kill -9` of any rank at any moment leaves the old or the new checkpoint usable.
+
+  model.safetensors   the original module's whole state dict (gathered from the shards under FSDP2):
+                      what evaluation and registration read, and the weights a resume loads
+  optimizer/          the optimizer state, safetensors shards written by every rank (`optimizer_state`)
+  rng_rank_<r>.pt     rank r's generators, written by rank r
+  trainer_state.pt, config.json, train_settings.json, manifest.json
+
+Checksums are computed and verified in shares: rank r hashes every world_size-th file, so no rank hashes
+the whole checkpoint while the others wait in a collective.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -20,19 +30,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from model import save_weights, unwrap
+from model import save_weights
 from model.atomic import atomic_dir, remove_stale
+from tasks.training.distributed import DistContext
+from tasks.training.optim import TrainOptimizer
+from tasks.training.optimizer_state import LEGACY_OPTIMIZER_FILE, OPTIMIZER_DIR, save_optimizer_state
+from tasks.training.parallelize import Parallel
 
 MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 SETTINGS_FILE = "train_settings.json"
 MANIFEST_FILE = "manifest.json"
-REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, CONFIG_FILE, SETTINGS_FILE)
+REQUIRED_FILES = (MODEL_FILE, STATE_FILE, CONFIG_FILE, SETTINGS_FILE)
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_ONE = DistContext()
 
 
 def checkpoint_name(step: int) -> str:
@@ -105,54 +118,129 @@ def write_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    parallel: Parallel,
+    optimizer: TrainOptimizer,
     trainer_state: dict[str, Any],
     model_config: dict[str, Any],
     settings: dict[str, Any],
-    rng_states: list[dict[str, Any]],
+    device: torch.device,
     keep: int,
+    dist: DistContext = _ONE,
     midway: Callable[[], None] | None = None,
 ) -> Path:
-    """Write `run_dir/step_{step:06d}` atomically (`rng_states[r]` is rank r's), then prune (`prune_checkpoints`)."""
+    """Write `run_dir/step_{step:06d}` atomically, every rank its part, then prune (`prune_checkpoints`).
+    A collective: every rank calls it (`trainer_state` is read on the main rank only)."""
     final = run_dir / checkpoint_name(step)
-    # The same step written again (a stop request right after a periodic save) replaces the first one.
-    with atomic_dir(final, replace=True, durable=True) as staged:
-        tmp = staged.path
-        save_weights(unwrap(model), tmp / MODEL_FILE)
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        if midway is not None:
-            midway()
-        torch.save(trainer_state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
-        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
-        for rank, rng_state in enumerate(rng_states):
-            torch.save(rng_state, tmp / rng_file(rank))
-        checksums = {file.name: sha256_file(file) for file in sorted(tmp.iterdir())}
-        # Written last: a directory without a manifest that matches is never resumed from.
-        (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
+    if dist.is_main:
+        # The same step written again (a stop request right after a periodic save) replaces the first one.
+        with atomic_dir(final, replace=True, durable=True) as staged:
+            dist.broadcast_object(str(staged.path))
+            _fill(
+                staged.path,
+                step,
+                parallel,
+                optimizer,
+                trainer_state,
+                model_config,
+                settings,
+                device,
+                dist,
+                midway,
+            )
+    else:
+        staged_path = Path(str(dist.broadcast_object(None)))
+        _fill(
+            staged_path,
+            step,
+            parallel,
+            optimizer,
+            trainer_state,
+            model_config,
+            settings,
+            device,
+            dist,
+            midway,
+        )
+    dist.barrier()  # published
     _remember_valid(final)
-    prune_checkpoints(run_dir, keep, final)
+    prune_checkpoints(run_dir, keep, final, dist)
     return final
 
 
-def prune_checkpoints(run_dir: Path, keep: int, written: Path) -> None:
+def _fill(
+    tmp: Path,
+    step: int,
+    parallel: Parallel,
+    optimizer: TrainOptimizer,
+    trainer_state: dict[str, Any],
+    model_config: dict[str, Any],
+    settings: dict[str, Any],
+    device: torch.device,
+    dist: DistContext,
+    midway: Callable[[], None] | None,
+) -> None:
+    whole = parallel.full_state_dict()  # gathered into the main rank's CPU memory under FSDP2
+    save_optimizer_state(tmp / OPTIMIZER_DIR, parallel.plain, optimizer)  # every rank its shards
+    if midway is not None:
+        midway()
+    rng = tmp / rng_file(dist.rank)
+    torch.save(capture_rng_state(device), rng)
+    _fsync(rng)
+    if dist.is_main:
+        save_weights(parallel.plain, tmp / MODEL_FILE, state=whole)
+        torch.save(trainer_state, tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
+        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+    del whole
+    dist.barrier()  # every rank's files are written
+    names = _files(tmp)
+    shares = dist.gather_object({name: sha256_file(tmp / name) for name in _share(names, dist)})
+    if dist.is_main:
+        assert shares is not None
+        checksums = {name: digest for share in shares for name, digest in share.items()}  # type: ignore[union-attr]
+        # Written last: a directory without a manifest that matches is never resumed from.
+        manifest = {"step": step, "sha256": dict(sorted(checksums.items()))}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def _files(root: Path) -> list[str]:
+    """Every file under `root` but the manifest, as sorted relative paths."""
+    return sorted(
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE
+    )
+
+
+def _share(names: list[str], dist: DistContext) -> list[str]:
+    """This rank's share of `names` (every world_size-th) to hash."""
+    return names[dist.rank :: dist.world_size]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune_checkpoints(run_dir: Path, keep: int, written: Path, dist: DistContext = _ONE) -> None:
     """Keep `written` (just written: the newest valid checkpoint) and the newest `keep - 1` valid ones before
-    it; remove every other checkpoint before it, valid or not.
+    it; remove every other checkpoint before it, valid or not. A collective (validity is checked in shares).
 
     Checkpoints of later steps are left alone: this run resumed from an earlier one, so they failed their
     checksums then, and the run replaces each of them when it reaches its step.
     """
     written_step = int(_STEP_DIR.match(written.name).group(1))  # type: ignore[union-attr]
+    older = [str(p) for step, p in reversed(checkpoint_dirs(run_dir)) if step < written_step]
     kept = 1
-    for step, path in reversed(checkpoint_dirs(run_dir)):
-        if step >= written_step:
-            continue
-        if kept < keep and is_valid(path):
+    for path in map(Path, dist.broadcast_object(older)):  # type: ignore[arg-type]
+        if kept < keep and is_valid(path, dist):
             kept += 1
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        if dist.is_main:
+            shutil.rmtree(path, ignore_errors=True)
         _verified.pop(path, None)
+    dist.barrier()
 
 
 # Checkpoints whose checksums this process verified (or wrote), by the identity of their manifest file:
@@ -174,47 +262,66 @@ def _remember_valid(path: Path) -> None:
         _verified[path] = identity
 
 
-def is_valid(path: Path) -> bool:
-    """Whether every file of checkpoint `path` matches its manifest (cached while the manifest is the same)."""
+def is_valid(path: Path, dist: DistContext = _ONE) -> bool:
+    """Whether every file of checkpoint `path` matches its manifest (cached while the manifest is the same).
+    A collective with `dist`: every rank gets the same answer."""
     identity = _manifest_identity(path)
-    if identity is not None and _verified.get(path) == identity:
+    cached = identity is not None and _verified.get(path) == identity
+    if all(dist.all_gather_object(cached)):
         return True
-    if checkpoint_problem(path) is not None:
+    if checkpoint_problem(path, dist) is not None:
         return False
     _remember_valid(path)
     return True
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` cannot be resumed from, or None when every file matches its manifest checksum."""
+def checkpoint_problem(path: Path, dist: DistContext = _ONE) -> str | None:
+    """Why `path` cannot be resumed from, or None when every file matches its manifest checksum. A
+    collective with `dist`: each rank hashes its share of the files; every rank gets the same answer."""
+    problem, names = _manifest_problem(path)
+    if problem is None:
+        checksums = json.loads((path / MANIFEST_FILE).read_text())["sha256"]
+        for name in _share(names, dist):
+            file = path / name
+            if not file.is_file():
+                problem = f"{name} is missing"
+                break
+            if sha256_file(file) != checksums[name]:
+                problem = f"{name} does not match its sha256 in manifest.json (truncated or corrupt)"
+                break
+    problems = dist.all_gather_object(problem)
+    return next((p for p in problems if p is not None), None)  # type: ignore[return-value]
+
+
+def _manifest_problem(path: Path) -> tuple[str | None, list[str]]:
+    """What is wrong with `path`'s manifest itself, and the files it lists."""
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
-        return "no manifest.json (partially written)"
+        return "no manifest.json (partially written)", []
     try:
-        manifest = json.loads(manifest_path.read_text())
-        checksums = manifest["sha256"]
+        checksums = json.loads(manifest_path.read_text())["sha256"]
     except (ValueError, KeyError) as exc:
-        return f"unreadable manifest.json ({exc})"
+        return f"unreadable manifest.json ({exc})", []
+    names = sorted(checksums)
     for name in REQUIRED_FILES:
         if name not in checksums:
-            return f"manifest.json lists no {name}"
-    for name in checksums:
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if sha256_file(file) != checksums[name]:
-            return f"{name} does not match its sha256 in manifest.json (truncated or corrupt)"
-    return None
+            return f"manifest.json lists no {name}", names
+    if LEGACY_OPTIMIZER_FILE not in checksums and not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in names):
+        return "manifest.json lists no optimizer state", names
+    return None, names
 
 
-def newest_valid_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning."""
-    for _, path in reversed(checkpoint_dirs(run_dir)):
-        problem = checkpoint_problem(path)
+def newest_valid_checkpoint(run_dir: Path, dist: DistContext = _ONE) -> Path | None:
+    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning.
+    A collective with `dist` (the main rank lists the candidates; every rank gets the same answer)."""
+    candidates = [str(path) for _, path in reversed(checkpoint_dirs(run_dir))]
+    for path in map(Path, dist.broadcast_object(candidates)):  # type: ignore[arg-type]
+        problem = checkpoint_problem(path, dist)
         if problem is None:
             _remember_valid(path)
             return path
-        warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
+        if dist.is_main:
+            warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
     return None
 
 
@@ -226,11 +333,6 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-
-
-def load_optimizer_state(path: Path) -> dict[str, Any]:
-    # Optimizer.load_state_dict moves each state tensor to its parameter's device itself.
-    return torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
 
 
 def read_json(path: Path) -> dict[str, Any]:

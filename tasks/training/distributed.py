@@ -53,6 +53,14 @@ class DistContext:
         dist.gather_object(value, gathered, dst=0)
         return gathered
 
+    def all_gather_object(self, value: object) -> list[object]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

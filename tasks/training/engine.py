@@ -1,5 +1,6 @@
-"""One process's training, set up: inputs checked, resume found, the model loaded (then compiled),
-optimizer and loader built, and the loop (`tasks.training.loop`) run. A single device, or one rank of a
+"""One process's training, set up: inputs checked, resume found, the model loaded into the plain (or
+sharded) module, parallelized and compiled (`tasks.training.parallelize`), the optimizer built from the
+result, the loader built, and the loop (`tasks.training.loop`) run. A single device, or one rank of a
 torchrun job."""
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from model import LlamaConfig, load_pretrained
+from model import LlamaConfig
 from tasks.data.packed import open_blocks, read_meta
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import checkpoint as ckpt
@@ -24,9 +24,10 @@ from tasks.training.distributed import DistContext, resolve_device
 from tasks.training.errors import TrainingInputError
 from tasks.training.loader import BlockLoader
 from tasks.training.loop import TrainLoop, checkpoint_ref
-from tasks.training.loss import LossHead
 from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
+from tasks.training.optimizer_state import load_optimizer_state
+from tasks.training.parallelize import parallelize
 from tasks.training.resume import RunShape, check_resume, find_resume
 from tasks.training.schedule import describe_run_length, total_optimizer_steps
 from tasks.training.settings import TrainSettings
@@ -114,7 +115,6 @@ def run_process(
     *,
     progress: bool = True,
     dist: DistContext | None = None,
-    ddp_wrap: Callable[[nn.Module, torch.device], nn.Module] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> CheckpointRef:
     dist = dist or DistContext()
@@ -174,9 +174,15 @@ def run_process(
 
     _configure_backends(device)
     _seed_rank(settings.seed, dist.rank)
-    plain = load_pretrained(config, resume or Path(model_ref.path), device=device)
-    plain.train()
-    optimizer = build_optimizer(plain, settings, device)
+    # The weights (initial, or the checkpoint's) go into the plain or sharded module before compilation.
+    parallel = parallelize(
+        config,
+        resume or Path(model_ref.path),
+        settings,
+        device,
+        eos_id=meta["eos_id"] if settings.document_mask else None,
+    )
+    optimizer = build_optimizer(parallel.plain, settings, device)  # from the parameters as they train
     loader = BlockLoader(
         blocks,
         pad_id=meta["pad_id"],
@@ -190,7 +196,7 @@ def run_process(
     step, tokens_seen = 0, 0
     if state is not None:
         assert resume is not None
-        optimizer.load_state_dict(ckpt.load_optimizer_state(resume))
+        load_optimizer_state(resume, parallel.plain, optimizer, sharded=parallel.mode == "fsdp")
         loader.load_state_dict(state["loader"])
         rng_state = ckpt.load_rng_state(resume, dist.rank)
         if rng_state is not None:
@@ -203,18 +209,8 @@ def run_process(
             )
         step, tokens_seen = state["step"], state["tokens_seen"]
 
-    # The loss is part of what is compiled (LossHead); weights were loaded into `plain` above, before this.
-    model: nn.Module = LossHead(plain, eos_id=meta["eos_id"] if settings.document_mask else None)
-    # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
-    # all-reduce overlaps the rest of the backward pass.
-    if ddp_wrap is not None:
-        model = ddp_wrap(model, device)
-    if settings.compile:
-        model = torch.compile(model, dynamic=False)
-
     loop = TrainLoop(
-        model=model,
-        plain=plain,
+        parallel=parallel,
         optimizer=optimizer,
         loader=loader,
         settings=settings,

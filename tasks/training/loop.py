@@ -2,9 +2,10 @@
 metrics, checkpoints and stops.
 
 Per optimizer step: count the step's target tokens over all micro-batches and ranks, then backward each
-micro-batch's summed token loss divided by that global count (DDP averages over ranks, so it is scaled by
-world_size). The step's gradient is then exactly that of the mean token loss of the whole step, however
-it is split into micro-batches and ranks.
+micro-batch's summed token loss divided by that global count (times what the gradient reduction divides
+by: DDP averages over ranks, FSDP2 here sums). The step's gradient is then exactly that of the mean token
+loss of the whole step, however it is split into micro-batches and ranks. How the ranks share the model is
+`Parallel`'s business (`tasks.training.parallelize`); the loop never asks which.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from model import LlamaConfig, flops_per_token
@@ -34,6 +33,7 @@ from tasks.training.loader import BlockLoader
 from tasks.training.loss import count_targets
 from tasks.training.metrics import JsonlMetrics, MetricSink, device_peak_flops, peak_memory_mb
 from tasks.training.optim import TrainOptimizer
+from tasks.training.parallelize import Parallel
 from tasks.training.precision import autocast
 from tasks.training.schedule import lr_at
 from tasks.training.settings import TrainSettings
@@ -41,8 +41,7 @@ from tasks.training.settings import TrainSettings
 
 @dataclass(eq=False)
 class TrainLoop:
-    model: nn.Module  # LossHead(plain): (inputs, targets) -> summed token loss; compiled and/or DDP-wrapped
-    plain: nn.Module  # the plain module: parameters, checkpoints
+    parallel: Parallel  # the model as the ranks share it; `parallel.model(inputs, targets)` -> summed loss
     optimizer: TrainOptimizer
     loader: BlockLoader
     settings: TrainSettings
@@ -65,8 +64,9 @@ class TrainLoop:
         self.jsonl = JsonlMetrics(self.run_dir) if self.dist.is_main else None
         self.flops_per_token = flops_per_token(self.config, self.seq_len)
         compute_dtype = torch.bfloat16 if self.settings.dtype == "bf16" else torch.float32
-        self.peak_flops = device_peak_flops(self.device, compute_dtype) * self.dist.world_size
-        self.params = [p for p in self.plain.parameters() if p.requires_grad]
+        # Measured (and cached) by the main rank alone: it alone logs MFU.
+        peak = device_peak_flops(self.device, compute_dtype) if self.dist.is_main else float("nan")
+        self.peak_flops = peak * self.dist.world_size
         self.start_step = self.step
         self.compile_time_s: float | None = None
         self.steady_tokens = 0
@@ -155,30 +155,27 @@ class TrainLoop:
         )
         self.optimizer.set_lr_scale(lr_scale)
         lr = self.settings.lr * lr_scale
+        lrs = self.optimizer.lrs()
         t0 = time.perf_counter()
         n_tokens = self.dist.sum(float(count_targets([t for _, t in batch.micro_batches])), self.device)
         if n_tokens == 0:
             raise TrainingError(
                 f"step {step_number} holds no target tokens (every target is padding); rebuild the dataset"
             )
-        # DDP averages gradients over ranks; scaling by world_size turns that average into the global sum.
-        scale = self.dist.world_size / n_tokens
+        scale = self.parallel.gradient_divisor / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(batch.micro_batches) - 1
         for i, (inputs, targets) in enumerate(batch.micro_batches):
-            sync = (
-                nullcontext() if (i == last or not hasattr(self.model, "no_sync")) else self.model.no_sync()
-            )
-            with sync:
+            with self.parallel.micro_batch(last=i == last):
                 with autocast(self.device, self.settings.dtype):
-                    loss = self.model(inputs, targets)
+                    loss = self.parallel.model(inputs, targets)
                 if self.faults.loss_is_nan(step_number):
                     loss = loss * float("nan")
                 (loss * scale).backward()
             loss_sum += loss.detach()
         step_loss = self.dist.sum(float(loss_sum.item()), self.device) / n_tokens
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = self.parallel.clip_grad_norm(max_norm)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(
@@ -202,7 +199,8 @@ class TrainLoop:
         metrics = {
             "train/loss": step_loss,
             "train/lr": lr,
-            **({"train/muon_lr": self.settings.muon_lr * lr_scale} if "muon" in self.optimizer.parts else {}),
+            # What Muon's parameter group holds for this step, not a recomputation of it.
+            **({"train/muon_lr": lrs["muon"]} if "muon" in lrs else {}),
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s,
             "train/compute_tokens_per_s": n_tokens / step_time,
@@ -260,38 +258,33 @@ class TrainLoop:
         }
 
     def _checkpoint(self, recompiles: int, stopped_early: bool) -> None:
-        rng_states = self.dist.gather_object(ckpt.capture_rng_state(self.device))
-        if self.dist.is_main:
-            assert rng_states is not None
-            trainer_state = {
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "tokens_seen": self.tokens_seen,
-                "loader": self.loader.state_dict(),
-                "run": self.run_facts,
-                "schedule": {
-                    "lr": self.settings.lr,
-                    "warmup_steps": self.settings.warmup_steps,
-                    "min_lr_ratio": self.settings.min_lr_ratio,
-                    "schedule": self.settings.schedule,
-                },
-                "summary": self._summary(recompiles, stopped_early),
-            }
-            self.last_checkpoint = ckpt.write_checkpoint(
-                self.run_dir,
-                self.step,
-                model=self.plain,
-                optimizer=self.optimizer,
-                trainer_state=trainer_state,
-                model_config=self.config.to_dict(),
-                settings=self.settings.model_dump(mode="json"),
-                rng_states=rng_states,  # type: ignore[arg-type]
-                keep=self.settings.keep_checkpoints,
-                midway=lambda: self.faults.mid_checkpoint(self.step),
-            )
-        else:
-            self.last_checkpoint = self.run_dir / ckpt.checkpoint_name(self.step)
-        self.dist.barrier()
+        trainer_state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.tokens_seen,
+            "loader": self.loader.state_dict(),
+            "run": self.run_facts,
+            "schedule": {
+                "lr": self.settings.lr,
+                "warmup_steps": self.settings.warmup_steps,
+                "min_lr_ratio": self.settings.min_lr_ratio,
+                "schedule": self.settings.schedule,
+            },
+            "summary": self._summary(recompiles, stopped_early),
+        }
+        self.last_checkpoint = ckpt.write_checkpoint(
+            self.run_dir,
+            self.step,
+            parallel=self.parallel,
+            optimizer=self.optimizer,
+            trainer_state=trainer_state,
+            model_config=self.config.to_dict(),
+            settings=self.settings.model_dump(mode="json"),
+            device=self.device,
+            keep=self.settings.keep_checkpoints,
+            dist=self.dist,
+            midway=lambda: self.faults.mid_checkpoint(self.step),
+        )
 
 
 def checkpoint_ref(path: Path, run_dir: Path, state: dict[str, Any]) -> CheckpointRef:

@@ -154,17 +154,27 @@ def _trusted(entry: dict) -> bool:
     return fresh and quiet and float(entry.get("flops", 0.0)) > 0
 
 
-def _time_matmul(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(1))
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+def _time_matmul(
+    device: torch.device, dtype: torch.dtype, max_n: int = 2048, repeats: int = 5, enough_s: float = 0.05
+) -> float:
+    """Best FLOP/s of an n x n matmul, n doubled from 256 until one product takes `enough_s` (or n reaches
+    `max_n`): big enough for a fast device's peak, yet seconds, not a quarter hour, where the dtype has no
+    fast kernel (bf16 on a CPU without AVX-512: 0.1 GFLOP/s measured, 15 minutes at n=2048)."""
+    n, flops = 256, 0.0
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(1))
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            a @ b
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        flops = max(flops, 2 * n**3 / best)
+        if best >= enough_s or n >= max_n:
+            return flops
+        n *= 2
 
 
 def _sync(device: torch.device) -> None:

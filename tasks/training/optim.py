@@ -1,13 +1,17 @@
 """The optimizer: AdamW alone, or Muon for the hidden matrices with AdamW for the rest.
 
 Parameters fall into four roles, each an AdamW parameter group with its own peak learning rate:
-  hidden  2-D weights inside the decoder layers (attention and MLP projections): AdamW with weight decay,
-          or Muon with `optimizer="muon"`;
+  hidden  2-D weights inside the decoder blocks (attention and MLP projections): AdamW with weight decay,
+          or Muon with `optimizer="muon"` (`ShardedMuon` when FSDP2 shards them: each matrix orthogonalised
+          whole);
   head    an untied output head (a matmul weight outside the layers): weight decay, `head_lr`;
   embed   embedding tables, a tied output head included: no weight decay, `embed_lr`;
   scalar  1-D parameters (norm gains): no weight decay, `scalar_lr`.
 `embed_lr`, `head_lr` and `scalar_lr` default to `lr`, so plain AdamW trains exactly as before the roles.
 The schedule scales every group's peak LR by the same factor (`set_lr_scale`).
+
+Build the optimizer from the module as it trains (`Parallel.plain`, after `fully_shard`): FSDP2 replaces
+the parameters with DTensor shards, and an optimizer holding the old ones would update nothing.
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from tasks.training.muon import ShardedMuon
+from tasks.training.parallelize import decoder_blocks
 from tasks.training.settings import TrainSettings
 
 ROLES = ("hidden", "head", "embed", "scalar")
 
 
 def parameter_roles(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Each trainable parameter once (tied ones deduplicated), by role; see the module docstring."""
+    """Each trainable parameter once (tied ones deduplicated), by role; see the module docstring. Found
+    through any wrapper (DDP, LossHead, torch.compile, activation checkpointing, FSDP2)."""
     embedding_ids = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
     }
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    layer_ids = {id(p) for p in layers.parameters()} if layers is not None else set()
+    layer_ids = {id(p) for block in decoder_blocks(model) for p in block.parameters()}
     roles: dict[str, list[nn.Parameter]] = {role: [] for role in ROLES}
     for param in model.parameters():  # deduplicates tied parameters
         if not param.requires_grad:
@@ -56,6 +63,10 @@ class TrainOptimizer:
         self.peak_lrs = [group["lr"] for group in self.param_groups]
 
     @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.parts.values())
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [group for part in self.parts.values() for group in part.param_groups]
 
@@ -65,7 +76,7 @@ class TrainOptimizer:
             group["lr"] = peak * scale
 
     def lrs(self) -> dict[str, float]:
-        """The current LR of each optimizer part's first group (for metrics)."""
+        """The current LR of each optimizer part's first group, as the part will apply it (for metrics)."""
         return {name: part.param_groups[0]["lr"] for name, part in self.parts.items()}
 
     def step(self) -> None:
@@ -116,7 +127,8 @@ def build_optimizer(model: nn.Module, settings: TrainSettings, device: torch.dev
         if not roles["hidden"]:
             raise ValueError("optimizer='muon' found no 2-D weights inside the decoder layers to optimize")
         # torch.optim.Muon has a single-tensor path only (no foreach or fused implementation in torch 2.13).
-        parts["muon"] = torch.optim.Muon(
+        sharded = any(isinstance(p, DTensor) for p in roles["hidden"])
+        parts["muon"] = (ShardedMuon if sharded else torch.optim.Muon)(
             roles["hidden"],
             lr=settings.muon_lr,
             weight_decay=settings.muon_weight_decay,

@@ -96,9 +96,7 @@ def check_resume(path: Path, state: dict[str, Any], settings: TrainSettings, sha
 
 
 def find_resume(run_dir: Path, dist: DistContext) -> Path | None:
-    found = None
     if dist.is_main:
         ckpt.remove_partial_checkpoints(run_dir)
-        found = ckpt.newest_valid_checkpoint(run_dir)
-    found = dist.broadcast_object(None if found is None else str(found))
-    return None if found is None else Path(found)  # type: ignore[arg-type]
+    dist.barrier()
+    return ckpt.newest_valid_checkpoint(run_dir, dist)  # every rank checks its share of the files

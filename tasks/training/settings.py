@@ -73,6 +73,17 @@ class TrainSettings(BaseModel):
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
+    data_parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How data-parallel ranks share the model: ddp (each rank holds the whole model and "
+        "optimizer state) or fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder "
+        "block; checkpoints written by every rank). One process trains the plain module either way",
+    )
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none",
+        description="full: recompute each decoder block's activations in the backward pass (less memory, "
+        "about a third more compute)",
+    )
 
     checkpoint_every: int = Field(
         0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"

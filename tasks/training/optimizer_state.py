@@ -1,0 +1,83 @@
+"""The optimizer's state in a checkpoint: `optimizer/`, safetensors files written by every rank through
+torch.distributed.checkpoint (DCP), keyed by parameter name (`<name>.<state key>`). Any world size and any
+of none | DDP | FSDP2 loads it: DCP reads the slices each rank needs from whichever files hold them.
+
+Tensors only: no pickle is written or read (DCP's default format pickles its metadata; its safetensors
+format keeps each shard's offsets in the file header). The param groups' hyperparameters are not stored:
+they come from the run's settings, which a resume must repeat (`tasks.training.resume`).
+
+Checkpoints written before this layout hold `optimizer.pt` (one process's torch state dict); they resume
+in a run without FSDP2.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from tasks.training.errors import TrainingInputError
+from tasks.training.optim import TrainOptimizer
+
+OPTIMIZER_DIR = "optimizer"
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"
+
+
+@contextmanager
+def _dcp_alone() -> Iterator[bool]:
+    """Yields whether DCP must work alone (no process group): then quietly, without its warning."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield alone
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The state tensors of a name-keyed optimizer state dict, flat: `<parameter name>.<state key>`."""
+    return {f"{name}.{key}": value for name, entry in state["state"].items() for key, value in entry.items()}
+
+
+def save_optimizer_state(directory: Path, model: nn.Module, optimizer: TrainOptimizer) -> None:
+    """Write `optimizer`'s state (for `model`'s parameters) under `directory`. A collective under a process
+    group: every rank writes its own file, replicated tensors (DDP, step counts) once."""
+    state = get_optimizer_state_dict(model, optimizer.optimizers)
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    with _dcp_alone() as alone:
+        dcp.save(_tensors(state), storage_writer=writer, no_dist=alone)
+
+
+def load_optimizer_state(
+    checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer, *, sharded: bool
+) -> None:
+    """Load checkpoint `checkpoint`'s optimizer state into `optimizer` (built for `model`, whatever its
+    wrapping and world size). A collective under a process group."""
+    directory = checkpoint / OPTIMIZER_DIR
+    if not directory.is_dir():
+        legacy = checkpoint / LEGACY_OPTIMIZER_FILE
+        if sharded:
+            raise TrainingInputError(
+                f"{checkpoint} holds its optimizer state as {LEGACY_OPTIMIZER_FILE} (written before sharded "
+                "checkpoints): resume it with data_parallel=ddp, whose next checkpoint FSDP2 can resume"
+            )
+        # Optimizer.load_state_dict moves each state tensor to its parameter's device itself.
+        optimizer.load_state_dict(torch.load(legacy, map_location="cpu", weights_only=True))
+        return
+    # The state's tensors as this run holds them (initialised by a zero-LR step), filled in place.
+    state = get_optimizer_state_dict(model, optimizer.optimizers)
+    flat = _tensors(state)
+    with _dcp_alone() as alone:
+        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=alone)
+    for name, entry in state["state"].items():
+        for key in entry:
+            entry[key] = flat[f"{name}.{key}"]
+    set_optimizer_state_dict(model, optimizer.optimizers, state)
