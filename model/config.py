@@ -246,11 +246,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=_LLAMA3_SCALING,
         tie_word_embeddings=True,
     ),
+    # Llama 2 7B shape (6.74B parameters): for GPUs only, with data_parallel="fsdp" (docs/scaling.md).
+    "7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
 }
 
 
 def get_preset(name: str, **overrides: Any) -> LlamaConfig:
-    """The named preset (`tiny, demo, small, 125m, 350m, 1b`) with any fields overridden, e.g. `vocab_size`."""
+    """The named preset (`tiny, demo, small, 125m, 350m, 1b, 7b`) with any fields overridden, e.g. `vocab_size`."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
     return (

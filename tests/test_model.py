@@ -42,9 +42,9 @@ def compiled_pair() -> tuple[LlamaForPretraining, torch.nn.Module]:
 
 def test_describe_presets_counts_match_instantiated_models() -> None:
     rows = {row["name"]: row for row in describe_presets(seq_len=1024)}
-    assert set(rows) == set(MODEL_PRESETS) == {"tiny", "demo", "small", "125m", "350m", "1b"}
+    assert set(rows) == set(MODEL_PRESETS) == {"tiny", "demo", "small", "125m", "350m", "1b", "7b"}
     for name, row in rows.items():
-        with torch.device("meta"):  # shapes only: no memory for the 1B model
+        with torch.device("meta"):  # shapes only: no memory for the 1B and 7B models
             model = LlamaForPretraining(get_preset(name))
         assert count_params(model) == row["params"], name
         assert count_params(model, non_embedding=True) == row["non_embedding_params"], name
@@ -54,6 +54,7 @@ def test_describe_presets_counts_match_instantiated_models() -> None:
     assert 115e6 <= rows["125m"]["params"] <= 135e6
     assert 330e6 <= rows["350m"]["params"] <= 370e6
     assert 0.95e9 <= rows["1b"]["params"] <= 1.15e9
+    assert 6.6e9 <= rows["7b"]["params"] <= 6.9e9  # Llama 2 7B: 6,738,415,616
 
 
 def test_python_dash_m_model_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:

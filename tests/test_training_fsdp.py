@@ -1,0 +1,216 @@
+"""FSDP2 (`data_parallel="fsdp"`) through `fit` and real torchrun/gloo ranks: it trains as one process with
+the same global batch, its sharded checkpoints resume bit for bit at the same shape and exactly at any other
+world size or mode (2 FSDP ranks -> 1 process; -> 2 DDP ranks -> 3 FSDP ranks with activation
+checkpointing), its model.safetensors is what a one-process run writes, and it reduces gradients once per
+optimizer step."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import get_preset, load_pretrained
+from model.hf import export_hf
+from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.refs import DatasetRef, ModelRef
+from tasks.training import TrainingError, TrainSettings, fit, read_metrics
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.faults import ENV_VAR
+from tasks.training.metrics import METRICS_FILE
+
+VOCAB = 96
+SEQ = 16
+PAD = 0
+GLOBAL_BATCH = 12  # 2 blocks per micro-batch: 6 micro-batches in one process, 3 x 2 ranks, 2 x 3 ranks
+RTOL = 1e-5  # fp32, no compile: only the order of float sums differs
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    blocks = pattern_blocks(72, SEQ, VOCAB, 7)
+    rng = np.random.default_rng(8)
+    for row in range(0, 72, 5):  # uneven padding: ranks and micro-batches hold different token counts
+        blocks[row, rng.integers(2, SEQ) :] = PAD
+    return write_packed_dataset(
+        tmp_path_factory.mktemp("packed"), blocks, pattern_blocks(4, SEQ, VOCAB, 9), vocab_size=VOCAB
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelRef:
+    return model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ), seed=0)
+
+
+def run_settings(nproc: int, mode: str = "fsdp", **overrides: object) -> TrainSettings:
+    base: dict[str, object] = dict(
+        micro_batch_size=2,
+        accumulate_steps=GLOBAL_BATCH // 2 // nproc,
+        nproc_per_node=nproc,
+        data_parallel=mode,
+        max_steps=6,
+        checkpoint_every=2,
+        keep_checkpoints=3,
+        lr=3e-3,
+        warmup_steps=1,
+        compile=False,
+        dtype="fp32",
+        device="cpu",
+    )
+    base.update(overrides)
+    return TrainSettings(**base)  # type: ignore[arg-type]
+
+
+def curve(run_dir: str | Path, name: str, steps: range) -> list[float]:
+    logged = read_metrics(run_dir)
+    return [logged[s][name] for s in steps]
+
+
+def assert_same_curves(run_dir: str | Path, reference: str | Path, steps: range) -> None:
+    for name in ("train/loss", "train/grad_norm"):
+        np.testing.assert_allclose(
+            curve(run_dir, name, steps), curve(reference, name, steps), rtol=RTOL, err_msg=name
+        )
+
+
+def records_of_step(run_dir: str | Path, step: int) -> list[Mapping[str, float]]:
+    """Every metrics.jsonl record of `step` (a resumed run logs the steps after its checkpoint again)."""
+    lines = (Path(run_dir) / METRICS_FILE).read_text().splitlines()
+    return [r["metrics"] for r in map(json.loads, lines) if r.get("step") == step]
+
+
+def resume_copy(source: str | Path, target: Path, step: int) -> Path:
+    """A copy of run directory `source` whose newest checkpoint is that of `step`, without its metrics."""
+    shutil.copytree(source, target)
+    (target / METRICS_FILE).unlink()
+    for later, path in checkpoint_dirs(target):
+        if later > step:
+            shutil.rmtree(path)
+    return target
+
+
+def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
+    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    single = fit(tiny, dataset, run_settings(1), tmp_path / "single", progress=False)
+
+    # Two FSDP2 ranks, killed -9 right after step 5 (step 4 is the newest checkpoint); the rerun resumes.
+    monkeypatch.setenv(ENV_VAR, "kill_at_step=5")
+    with pytest.raises(TrainingError, match="torchrun with 2 workers failed"):
+        fit(tiny, dataset, run_settings(2), tmp_path / "fsdp", progress=False)
+    monkeypatch.delenv(ENV_VAR)
+    fsdp = fit(tiny, dataset, run_settings(2), tmp_path / "fsdp", progress=False)
+    assert fsdp.step == single.step == 6 and fsdp.tokens_seen == single.tokens_seen
+    assert_same_curves(fsdp.run_dir, single.run_dir, range(1, 7))
+    first, again = records_of_step(fsdp.run_dir, 5)
+    assert (first["train/loss"], first["train/grad_norm"]) == (again["train/loss"], again["train/grad_norm"])
+    step4 = Path(fsdp.run_dir) / "step_000004"
+    shards = sorted(p.name for p in (step4 / "optimizer").iterdir())
+    assert len(shards) == 2, shards  # every rank wrote its own optimizer shard
+    assert checkpoint_problem(step4) is None
+
+    # The registered weights: the original module's whole state dict, as one process writes it.
+    a, b = (
+        load_file(str(Path(fsdp.path) / "model.safetensors")),
+        load_file(str(Path(single.path) / "model.safetensors")),
+    )
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+    load_pretrained(fsdp.path)
+    export_hf(load_pretrained(fsdp.path), tmp_path / "hf")
+
+    # Step 2 of the FSDP run resumed by one process (the plain module, the same global batch).
+    one = fit(tiny, dataset, run_settings(1), resume_copy(fsdp.run_dir, tmp_path / "one", 2), progress=False)
+    assert one.step == 6
+    assert_same_curves(one.run_dir, single.run_dir, range(3, 7))
+
+    # Step 2 resumed by two DDP ranks (stopped after step 4), whose step 4 three FSDP ranks finish.
+    chain = resume_copy(fsdp.run_dir, tmp_path / "chain", 2)
+    monkeypatch.setenv(ENV_VAR, "crash_at_step=5")
+    with pytest.raises(TrainingError, match="torchrun with 2 workers failed"):
+        fit(tiny, dataset, run_settings(2, "ddp"), chain, progress=False)
+    monkeypatch.delenv(ENV_VAR)
+    assert [s for s, _ in checkpoint_dirs(chain)] == [2, 4]
+    # With activation checkpointing, which recomputes each block's forward in the backward pass: the same.
+    three = fit(tiny, dataset, run_settings(3, activation_checkpointing="full"), chain, progress=False)
+    assert three.step == 6
+    assert len(list((Path(three.path) / "optimizer").iterdir())) == 3
+    assert_same_curves(chain, single.run_dir, range(3, 7))
+
+
+def test_fsdp_reduces_gradients_once_per_optimizer_step(
+    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """set_requires_gradient_sync(False) on every micro-batch but the last (FSDP2 has no no_sync): each
+    sharded gradient is reduced once per optimizer step, not once per micro-batch (a one-process gloo
+    group: the engine applies FSDP2 whenever it runs in a process group, as under torchrun)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from tasks.training import engine
+    from tasks.training.engine import run_process
+
+    reductions: dict[int, int] = {}  # per parameter, since the last optimizer step
+    per_step: list[set[int]] = []
+
+    def counting_build_optimizer(model: torch.nn.Module, *args: object) -> object:
+        params = list(model.parameters())
+        assert params and all(isinstance(p, DTensor) for p in params)  # the optimizer gets the shards
+        for i, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(
+                lambda _, i=i: reductions.__setitem__(i, reductions.get(i, 0) + 1)
+            )
+        return build_optimizer(model, *args)
+
+    def step_marker(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if isinstance(optimizer, torch.optim.AdamW):
+            per_step.append(set(reductions.values()))
+            reductions.clear()
+
+    build_optimizer = engine.build_optimizer
+    monkeypatch.setattr(engine, "build_optimizer", counting_build_optimizer)
+    handle = register_optimizer_step_pre_hook(step_marker)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        run = run_settings(1, max_steps=2, checkpoint_every=0)  # 6 micro-batches per step
+        run_process(tiny, dataset, run, tmp_path / "run", progress=False)
+    finally:
+        dist.destroy_process_group()
+        handle.remove()
+    assert per_step == [{1}, {1}]
+
+
+def test_activation_checkpointing_recomputes_each_block_and_trains_exactly_as_without_it(
+    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef
+) -> None:
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from model.llama import DecoderLayer
+
+    runs, block_forwards = {}, {"none": 0, "full": 0}
+    for ac in ("none", "full"):
+        # A pre-hook: the recomputation stops once it has what the backward needs (before the forward returns).
+        def count(module: torch.nn.Module, args: object, ac: str = ac) -> None:
+            block_forwards[ac] += isinstance(module, DecoderLayer)
+
+        hook = register_module_forward_pre_hook(count)
+        try:
+            settings = run_settings(1, max_steps=2, activation_checkpointing=ac)
+            runs[ac] = fit(tiny, dataset, settings, tmp_path / ac, progress=False)
+        finally:
+            hook.remove()
+    assert block_forwards["full"] == 2 * block_forwards["none"] > 0  # each block's forward again in backward
+    losses = {ac: curve(run.run_dir, "train/loss", range(1, 3)) for ac, run in runs.items()}
+    assert losses["full"] == losses["none"]
+    a, b = (load_file(str(Path(runs[ac].path) / "model.safetensors")) for ac in ("full", "none"))
+    assert a.keys() == b.keys()  # no wrapper name in the saved weights
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
