@@ -127,7 +127,7 @@ class PretrainConfig(TrainSettings):
     vocab_size: int = Field(8192, ge=260, le=1 << 20, description="BPE vocabulary size (also the model's)")
     seq_len: int = Field(256, ge=2, description="Tokens per training sequence")
     # model
-    model: str = Field("demo", description="Model preset: tiny, demo, small, 125m, 350m, 1b")
+    model: str = Field("demo", description="Model preset: tiny, demo, small, 125m, 350m, 1b, 7b")
     model_overrides: dict[str, Any] = Field(
         default_factory=dict, description="LlamaConfig fields to override"
     )

@@ -214,3 +214,29 @@ def test_activation_checkpointing_recomputes_each_block_and_trains_exactly_as_wi
     assert a.keys() == b.keys()  # no wrapper name in the saved weights
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+
+
+def test_large_files_are_hashed_in_chunks_that_the_ranks_share(
+    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file larger than a hash chunk gets one digest per chunk (so the ranks share one large file), and
+    a change in any chunk, or a truncation, is caught."""
+    from tasks.training import checkpoint
+
+    monkeypatch.setattr(checkpoint, "HASH_CHUNK", 4096)
+    done = fit(tiny, dataset, run_settings(1, max_steps=1), tmp_path / "run", progress=False)
+    path = Path(done.path)
+    digests = json.loads((path / "manifest.json").read_text())["sha256"]
+    weights = path / "model.safetensors"
+    assert len(digests["model.safetensors"]) == -(-weights.stat().st_size // 4096) > 2
+    assert checkpoint_problem(path) is None
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle] ^= 1
+    weights.write_bytes(bytes(data))
+    assert "model.safetensors does not match" in (checkpoint_problem(path) or "")
+    data[middle] ^= 1
+    weights.write_bytes(bytes(data[:-4096]))
+    assert "model.safetensors does not match" in (checkpoint_problem(path) or "")
+    weights.write_bytes(bytes(data))
+    assert checkpoint_problem(path) is None

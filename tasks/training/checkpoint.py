@@ -193,13 +193,19 @@ def _fill(
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
     del whole
     dist.barrier()  # every rank's files are written
-    names = _files(tmp)
-    shares = dist.gather_object({name: sha256_file(tmp / name) for name in _share(names, dist)})
+    pieces = [(name, i) for name in _files(tmp) for i in range(_chunks((tmp / name).stat().st_size))]
+    shares = dist.gather_object(
+        {piece: _chunk_sha256(tmp / piece[0], piece[1]) for piece in _share(pieces, dist)}
+    )
     if dist.is_main:
         assert shares is not None
-        checksums = {name: digest for share in shares for name, digest in share.items()}  # type: ignore[union-attr]
+        digests: dict[str, list[str]] = {}
+        for (name, _), digest in sorted(kv for share in shares for kv in share.items()):  # type: ignore[union-attr]
+            digests.setdefault(name, []).append(digest)
+        # A file of one chunk has one digest (its sha256), a larger one the list of its chunks' digests.
+        checksums = {name: d[0] if len(d) == 1 else d for name, d in digests.items()}
         # Written last: a directory without a manifest that matches is never resumed from.
-        manifest = {"step": step, "sha256": dict(sorted(checksums.items()))}
+        manifest = {"step": step, "sha256": checksums}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
 
@@ -210,9 +216,30 @@ def _files(root: Path) -> list[str]:
     )
 
 
-def _share(names: list[str], dist: DistContext) -> list[str]:
-    """This rank's share of `names` (every world_size-th) to hash."""
-    return names[dist.rank :: dist.world_size]
+# Files are hashed in chunks of this size, so that one large file (model.safetensors) is hashed by all
+# ranks together: no rank hashes gigabytes while the others wait in a collective.
+HASH_CHUNK = 1 << 30
+
+
+def _chunks(size: int) -> int:
+    return max(1, -(-size // HASH_CHUNK))
+
+
+def _chunk_sha256(path: Path, index: int) -> str:
+    """sha256 of chunk `index` of a file (of the whole file when it is one chunk: `sha256_file`'s)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(index * HASH_CHUNK)
+        left = HASH_CHUNK
+        while left and (block := f.read(min(1 << 20, left))):
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def _share(items: list, dist: DistContext) -> list:
+    """This rank's share of `items` (every world_size-th) to hash."""
+    return items[dist.rank :: dist.world_size]
 
 
 def _fsync(path: Path) -> None:
@@ -281,12 +308,15 @@ def checkpoint_problem(path: Path, dist: DistContext = _ONE) -> str | None:
     problem, names = _manifest_problem(path)
     if problem is None:
         checksums = json.loads((path / MANIFEST_FILE).read_text())["sha256"]
-        for name in _share(names, dist):
+        expected = {name: [d] if isinstance(d, str) else d for name, d in checksums.items()}
+        for name, index in _share([(n, i) for n in names for i in range(len(expected[n]))], dist):
             file = path / name
             if not file.is_file():
                 problem = f"{name} is missing"
                 break
-            if sha256_file(file) != checksums[name]:
+            if _chunks(file.stat().st_size) != len(expected[name]) or (
+                _chunk_sha256(file, index) != expected[name][index]
+            ):
                 problem = f"{name} does not match its sha256 in manifest.json (truncated or corrupt)"
                 break
     problems = dist.all_gather_object(problem)
