@@ -19,7 +19,9 @@ from synthetic import model_ref as build_model_ref
 from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
-from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem, sha256_file
+from tasks.training.resume import settings_differences
+from tasks.training.settings import OnResume, resume_rules
 
 VOCAB = 96
 SEQ = 16
@@ -98,17 +100,84 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- what a resume may change (issue 12, item 10)
 
 
+# What each training setting does to a resume, written here apart from settings.py's annotations, so a
+# setting dropped from the compared ones (or a new one classified wrongly) fails below.
+# Settings that change what the run computes, each with a value other than settings()'s:
+CHANGES_THE_RUN: dict[str, object] = {
+    "seed": 1,
+    "optimizer": "muon",
+    "lr": 1e-3,
+    "embed_lr": 1e-2,
+    "head_lr": 1e-2,
+    "scalar_lr": 1e-2,
+    "muon_lr": 0.02,
+    "muon_momentum": 0.9,
+    "muon_ns_steps": 4,
+    "muon_weight_decay": 0.05,
+    "muon_adjust_lr": "match_rms_adamw",
+    "min_lr_ratio": 0.0,
+    "warmup_steps": 1,
+    "schedule": "wsd",
+    "decay_fraction": 0.5,
+    "weight_decay": 0.05,
+    "betas": (0.8, 0.9),
+    "eps": 1e-6,
+    "grad_clip": 0.5,
+    "document_mask": True,
+}
+# Settings that decide the global batch or the run length, which a resume compares instead (below):
+SHAPES_THE_RUN = {"micro_batch_size", "accumulate_steps", "max_steps", "epochs", "nproc_per_node"}
+# Settings a resume may change (how the run is carried out), each with a value other than settings()'s:
+CARRIES_OUT_THE_RUN: dict[str, object] = {
+    "compile": True,
+    "dtype": "bf16",
+    "device": "cpu",
+    "checkpoint_every": 3,
+    "keep_checkpoints": 5,
+    "log_every": 2,
+    "max_time_s": 3600.0,
+}
+
+
+def test_every_training_setting_is_classified_for_resume_here_and_in_settings() -> None:
+    here = [*CHANGES_THE_RUN, *SHAPES_THE_RUN, *CARRIES_OUT_THE_RUN]
+    assert len(here) == len(set(here))
+    assert set(here) == set(TrainSettings.model_fields), (
+        "a TrainSettings field was added or removed: say here whether it changes the run"
+    )
+    rules = resume_rules(TrainSettings)  # raises for a field that declares no rule
+    assert {n for n, r in rules.items() if r is OnResume.MUST_MATCH} == set(CHANGES_THE_RUN)
+    assert {n for n, r in rules.items() if r is OnResume.IN_RUN_SHAPE} == SHAPES_THE_RUN
+
+    class Unclassified(TrainSettings):
+        eval_every: int = 0
+
+    with pytest.raises(TypeError, match=r"\['eval_every'\] must each declare how they bear on a resume"):
+        resume_rules(Unclassified)
+
+
+@pytest.mark.parametrize(("name", "value"), CHANGES_THE_RUN.items(), ids=list(CHANGES_THE_RUN))
+def test_a_resume_that_changes_any_setting_of_the_run_is_refused_naming_it(
+    tmp_path: Path, stopped: Path, dataset: DatasetRef, model_ref: ModelRef, name: str, value: object
+) -> None:
+    run_dir = copy_of(stopped, tmp_path)
+    before = settings().model_dump(mode="json")[name]
+    now = settings(**{name: value}).model_dump(mode="json")[name]
+    with pytest.raises(TrainingError, match=r"cannot resume .*step_000004") as info:
+        fit(model_ref, dataset, settings(**{name: value}), run_dir, progress=False)
+    assert f"{name}: checkpoint {before!r}, now {now!r}" in str(info.value)
+    assert max(read_metrics(run_dir)) == 4  # refused before any step
+
+
+@pytest.mark.parametrize(("name", "value"), CARRIES_OUT_THE_RUN.items(), ids=list(CARRIES_OUT_THE_RUN))
+def test_a_resume_may_change_how_the_run_is_carried_out(stopped: Path, name: str, value: object) -> None:
+    saved = json.loads((stopped / "step_000004" / "train_settings.json").read_text())
+    assert settings_differences(saved, settings(**{name: value})) == []
+
+
 @pytest.mark.parametrize(
     ("changed", "named"),
     [
-        ({"weight_decay": 0.05}, "weight_decay: checkpoint 0.1, now 0.05"),
-        ({"betas": (0.8, 0.9)}, "betas: checkpoint [0.9, 0.95], now [0.8, 0.9]"),
-        ({"eps": 1e-6}, "eps: checkpoint 1e-08, now 1e-06"),
-        ({"grad_clip": 0.5}, "grad_clip"),
-        ({"optimizer": "muon"}, "optimizer: checkpoint 'adamw', now 'muon'"),
-        ({"embed_lr": 1e-2}, "embed_lr: checkpoint None, now 0.01"),
-        ({"muon_momentum": 0.9}, "muon_momentum: checkpoint 0.95, now 0.9"),
-        ({"seed": 1}, "seed"),
         ({"max_steps": 6}, "total_steps: checkpoint 8, now 6"),
         ({"epochs": 3.0}, "total_steps: checkpoint 8, now 12"),
         (
@@ -117,14 +186,69 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
         ),
     ],
 )
-def test_a_resume_that_would_change_the_run_is_refused_naming_the_setting(
+def test_a_resume_that_changes_the_batch_or_the_run_length_is_refused(
     tmp_path: Path, stopped: Path, dataset: DatasetRef, model_ref: ModelRef, changed: dict, named: str
 ) -> None:
     run_dir = copy_of(stopped, tmp_path)
     with pytest.raises(TrainingError, match=r"cannot resume .*step_000004") as info:
         fit(model_ref, dataset, settings(**changed), run_dir, progress=False)
     assert named in str(info.value)
-    assert max(read_metrics(run_dir)) == 4  # refused before any step
+    assert max(read_metrics(run_dir)) == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"qk_norm": True}, ["model config qk_norm: checkpoint False, now True"]),
+        ({"rope_theta": 500000.0}, ["model config rope_theta: checkpoint 10000.0, now 500000.0"]),
+        (
+            {"intermediate_size": 128, "value_embeds": 1},
+            ["model config intermediate_size: checkpoint 176, now 128", "value_embeds: checkpoint 0, now 1"],
+        ),
+    ],
+)
+def test_a_resume_with_another_architecture_is_refused_naming_the_fields(
+    tmp_path: Path, stopped: Path, dataset: DatasetRef, overrides: dict, named: list[str]
+) -> None:
+    other = build_model_ref(
+        get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ, **overrides), seed=0
+    )
+    run_dir = copy_of(stopped, tmp_path)
+    with pytest.raises(TrainingError, match=r"cannot resume .*step_000004") as info:
+        fit(other, dataset, settings(), run_dir, progress=False)
+    for text in named:
+        assert text in str(info.value)
+    assert max(read_metrics(run_dir)) == 4
+
+
+def forget(checkpoint: Path, file: str, *names: str) -> None:
+    """Rewrite `file` of `checkpoint` without `names`, as a checkpoint written before they existed."""
+    path = checkpoint / file
+    data = json.loads(path.read_text())
+    for name in names:
+        del data[name]
+    path.write_text(json.dumps(data))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"][file] = sha256_file(path)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_is_at_its_default(
+    tmp_path: Path, stopped: Path, reference: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    run_dir = copy_of(stopped, tmp_path)
+    forget(run_dir / "step_000004", "train_settings.json", "document_mask", "muon_weight_decay")
+    forget(run_dir / "step_000004", "config.json", "value_embeds", "bigram_embeds")
+    with pytest.raises(TrainingError) as info:
+        fit(model_ref, dataset, settings(document_mask=True), run_dir, progress=False)
+    assert (
+        "document_mask: checkpoint written before this setting existed (as its default False), now True"
+        in str(info.value)
+    )
+    assert "muon_weight_decay" not in str(info.value) and "model config" not in str(info.value)
+
+    done = fit(model_ref, dataset, settings(), run_dir, progress=False)
+    assert done.step == 8 and losses(run_dir) == losses(reference)
 
 
 def test_a_rebuilt_dataset_with_the_same_block_count_is_refused(

@@ -162,7 +162,7 @@ def run_process(
     state: dict[str, Any] | None = None
     if resume is not None:
         state = ckpt.load_trainer_state(resume)
-        check_resume(resume, state, settings, shape)
+        check_resume(resume, state, settings, shape, config)
         if dist.is_main:
             print(
                 f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}",

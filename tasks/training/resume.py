@@ -1,10 +1,16 @@
 """Resuming a run: the newest valid checkpoint of a run directory, and what must agree before it continues.
 
-A resume continues the run the checkpoint belongs to, or it is refused: the settings that decide the data
-order, the schedule and the optimizer's updates must be those it was written with, and so must the global
-batch, the run length in optimizer steps and the dataset. How the global batch is split into ranks and
-micro-batches may change (the loader's order does not depend on it), and so may everything else
-(checkpointing, logging, compile, precision, device).
+A resume continues the run the checkpoint belongs to, or it is refused. Each TrainSettings field says
+how it bears on a resume (`OnResume`, tasks/training/settings.py): the MustMatch settings (data order,
+loss, schedule, optimizer updates) must be those the checkpoint was written with; the InRunShape ones
+may change as long as the global batch and the run length in optimizer steps stay the same (the
+loader's order does not depend on how the batch is split into micro-batches and ranks, so a resume at
+another world size with the same global batch continues the same run); the MayChange ones (compile,
+precision, device, checkpointing, logging) are free. The architecture (every LlamaConfig field of the
+checkpoint's config.json) and the dataset must be the same too.
+
+A checkpoint written before a setting or a config field existed holds no value for it: it was trained
+as with the field's default, so the resume is allowed when the field is at its default now.
 """
 
 from __future__ import annotations
@@ -13,34 +19,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from model import LlamaConfig
 from tasks.training import checkpoint as ckpt
 from tasks.training.distributed import DistContext
 from tasks.training.errors import TrainingInputError
-from tasks.training.settings import TrainSettings
+from tasks.training.settings import RESUME_RULES, OnResume, TrainSettings
 
 # Optimizer hyperparameters among them: `Optimizer.load_state_dict` would silently put the checkpoint's
 # values back in place of changed ones.
-RESUME_MUST_MATCH = (
-    "seed",
-    "optimizer",
-    "lr",
-    "embed_lr",
-    "head_lr",
-    "scalar_lr",
-    "muon_lr",
-    "muon_momentum",
-    "muon_ns_steps",
-    "muon_weight_decay",
-    "muon_adjust_lr",
-    "min_lr_ratio",
-    "warmup_steps",
-    "schedule",
-    "decay_fraction",
-    "weight_decay",
-    "betas",
-    "eps",
-    "grad_clip",
-)
+RESUME_MUST_MATCH = tuple(name for name, rule in RESUME_RULES.items() if rule is OnResume.MUST_MATCH)
 
 
 @dataclass(frozen=True)
@@ -64,15 +51,13 @@ class RunShape:
         return asdict(self)
 
 
-def check_resume(path: Path, state: dict[str, Any], settings: TrainSettings, shape: RunShape) -> None:
-    """Raise TrainingInputError naming every setting that differs from checkpoint `path` and changes the run."""
-    saved = ckpt.read_json(path / ckpt.SETTINGS_FILE)
-    now = settings.model_dump(mode="json")
-    problems = [
-        f"{name}: checkpoint {saved.get(name)!r}, now {now[name]!r}"
-        for name in RESUME_MUST_MATCH
-        if saved.get(name) != now[name]
-    ]
+def check_resume(
+    path: Path, state: dict[str, Any], settings: TrainSettings, shape: RunShape, config: LlamaConfig
+) -> None:
+    """Raise TrainingInputError naming every setting, architecture field and run property that differs
+    from checkpoint `path` and changes the run."""
+    problems = settings_differences(ckpt.read_json(path / ckpt.SETTINGS_FILE), settings)
+    problems += architecture_differences(ckpt.read_json(path / ckpt.CONFIG_FILE), config)
     run = state.get("run", {})
     if "world_size" in run:
         before = RunShape(**{k: run[k] for k in RunShape.__dataclass_fields__})
@@ -90,9 +75,38 @@ def check_resume(path: Path, state: dict[str, Any], settings: TrainSettings, sha
         problems.append(f"total_steps: checkpoint {state['total_steps']}, now {shape.total_steps}")
     if problems:
         raise TrainingInputError(
-            f"cannot resume {path} with these settings: {'; '.join(problems)}. They change the run (data "
-            "order, schedule or updates): resume with the checkpoint's values, or train in a new checkpoint_dir"
+            f"cannot resume {path} with these settings: {'; '.join(problems)}. They change the run (model, data, "
+            "schedule or updates): resume with the checkpoint's values, or train in a new checkpoint_dir"
         )
+
+
+def settings_differences(saved: dict[str, Any], settings: TrainSettings) -> list[str]:
+    """`name: checkpoint X, now Y` for each MustMatch setting that differs from the checkpoint's
+    `train_settings.json` (`saved`); a setting the checkpoint predates counts as its default there."""
+    now = settings.model_dump(mode="json")
+    defaults = TrainSettings.model_construct().model_dump(mode="json")
+    problems = []
+    for name in RESUME_MUST_MATCH:
+        if name in saved:
+            if saved[name] != now[name]:
+                problems.append(f"{name}: checkpoint {saved[name]!r}, now {now[name]!r}")
+        elif defaults[name] != now[name]:
+            problems.append(
+                f"{name}: checkpoint written before this setting existed (as its default {defaults[name]!r}), "
+                f"now {now[name]!r}"
+            )
+    return problems
+
+
+def architecture_differences(saved: dict[str, Any], config: LlamaConfig) -> list[str]:
+    """`model config NAME: checkpoint X, now Y` for each LlamaConfig field that differs from the
+    checkpoint's `config.json` (`saved`; fields it predates take their defaults, as when it is loaded)."""
+    before, now = LlamaConfig.from_dict(saved).to_dict(), config.to_dict()
+    return [
+        f"model config {name}: checkpoint {before[name]!r}, now {now[name]!r}"
+        for name in now
+        if before.get(name) != now[name]
+    ]
 
 
 def find_resume(run_dir: Path, dist: DistContext) -> Path | None:

@@ -3,13 +3,37 @@
 The same typed object goes from the flow's config (`PretrainConfig` is a TrainSettings plus the other
 stages' options) to the train task, a train deployment's parameter, the torchrun workers and each
 checkpoint (`train_settings.json`). Plain values only, so it travels as JSON.
+
+Every field declares how it bears on resuming a checkpoint (`tasks.training.resume`), by its annotation:
+  MustMatch[T]   it changes what the run computes (data order, loss, schedule, updates): a resume with
+                 another value than the checkpoint's is refused;
+  InRunShape[T]  it decides the global batch or the run length, which a resume compares as such (the
+                 batch may be split differently into micro-batches, accumulation and ranks);
+  MayChange[T]   how the run is carried out (device, compile, precision, parallelism, checkpointing,
+                 logging): a resume may change it.
+A field without one is an error when this module is imported, so a new setting cannot be forgotten.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from enum import Enum
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OnResume(Enum):
+    """How a setting bears on a resume (see the module docstring)."""
+
+    MUST_MATCH = "must_match"
+    IN_RUN_SHAPE = "in_run_shape"
+    MAY_CHANGE = "may_change"
+
+
+_T = TypeVar("_T")
+MustMatch = Annotated[_T, OnResume.MUST_MATCH]
+InRunShape = Annotated[_T, OnResume.IN_RUN_SHAPE]
+MayChange = Annotated[_T, OnResume.MAY_CHANGE]
 
 
 class TrainSettings(BaseModel):
@@ -22,75 +46,91 @@ class TrainSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass")
-    accumulate_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step")
-    max_steps: int | None = Field(
+    micro_batch_size: InRunShape[int] = Field(8, ge=1, description="Sequences per forward/backward pass")
+    accumulate_steps: InRunShape[int] = Field(1, ge=1, description="Micro-batches per optimizer step")
+    max_steps: InRunShape[int | None] = Field(
         None, ge=1, description="Optimizer steps; when set, it alone decides the run length"
     )
-    epochs: float = Field(1.0, gt=0, description="Passes over the training blocks when max_steps is not set")
+    epochs: InRunShape[float] = Field(
+        1.0, gt=0, description="Passes over the training blocks when max_steps is not set"
+    )
 
-    optimizer: Literal["adamw", "muon"] = Field(
+    optimizer: MustMatch[Literal["adamw", "muon"]] = Field(
         "adamw",
         description="adamw: AdamW for every parameter; muon: Muon for the 2-D weights inside the decoder "
         "layers, AdamW for embeddings, output head and norms",
     )
-    lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate (the default of every AdamW group)")
-    embed_lr: float | None = Field(
+    lr: MustMatch[float] = Field(
+        3e-4, gt=0, description="Peak AdamW learning rate (the default of every AdamW group)"
+    )
+    embed_lr: MustMatch[float | None] = Field(
         None, gt=0, description="Peak AdamW LR of the embeddings and a tied output head (default: lr)"
     )
-    head_lr: float | None = Field(
+    head_lr: MustMatch[float | None] = Field(
         None, gt=0, description="Peak AdamW LR of an untied output head (default: lr)"
     )
-    scalar_lr: float | None = Field(None, gt=0, description="Peak AdamW LR of norm gains (default: lr)")
-    muon_lr: float = Field(0.04, gt=0, description="muon: peak Muon LR of the hidden matrices")
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum")
-    muon_ns_steps: int = Field(5, ge=1, le=99, description="muon: Newton-Schulz iterations")
-    muon_weight_decay: float = Field(0.0, ge=0, description="muon: decoupled weight decay (times the LR)")
-    muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
+    scalar_lr: MustMatch[float | None] = Field(
+        None, gt=0, description="Peak AdamW LR of norm gains (default: lr)"
+    )
+    muon_lr: MustMatch[float] = Field(0.04, gt=0, description="muon: peak Muon LR of the hidden matrices")
+    muon_momentum: MustMatch[float] = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum")
+    muon_ns_steps: MustMatch[int] = Field(5, ge=1, le=99, description="muon: Newton-Schulz iterations")
+    muon_weight_decay: MustMatch[float] = Field(
+        0.0, ge=0, description="muon: decoupled weight decay (times the LR)"
+    )
+    muon_adjust_lr: MustMatch[Literal["original", "match_rms_adamw"]] = Field(
         "original",
         description="muon: LR scale per matrix shape: original = sqrt(max(1, rows/cols)); match_rms_adamw = "
         "0.2 sqrt(max(rows, cols)) (Moonshot's, for AdamW-sized LRs)",
     )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps")
-    schedule: Literal["cosine", "wsd"] = Field("cosine", description="cosine, or warmup-stable-decay")
-    decay_fraction: float = Field(
+    min_lr_ratio: MustMatch[float] = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak")
+    warmup_steps: MustMatch[int] = Field(0, ge=0, description="Linear warmup, in optimizer steps")
+    schedule: MustMatch[Literal["cosine", "wsd"]] = Field(
+        "cosine", description="cosine, or warmup-stable-decay"
+    )
+    decay_fraction: MustMatch[float] = Field(
         0.2, gt=0, le=1, description="wsd: share of the post-warmup steps that decay"
     )
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay of the matmul weights")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    grad_clip: float = Field(
+    weight_decay: MustMatch[float] = Field(0.1, ge=0, description="AdamW weight decay of the matmul weights")
+    betas: MustMatch[tuple[float, float]] = Field((0.9, 0.95), description="AdamW betas")
+    eps: MustMatch[float] = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: MustMatch[float] = Field(
         1.0, ge=0, description="Max global gradient norm; 0 disables clipping (the norm is logged)"
     )
 
-    seed: int = Field(1337, description="Seeds data order, initialisation and sampling")
-    compile: bool = Field(True, description="torch.compile the model (after any checkpoint is loaded)")
-    dtype: Literal["bf16", "fp32"] = Field("bf16", description="Autocast precision")
-    document_mask: bool = Field(
+    seed: MustMatch[int] = Field(1337, description="Seeds data order, initialisation and sampling")
+    compile: MayChange[bool] = Field(
+        True, description="torch.compile the model (after any checkpoint is loaded)"
+    )
+    dtype: MayChange[Literal["bf16", "fp32"]] = Field("bf16", description="Autocast precision")
+    document_mask: MustMatch[bool] = Field(
         False,
         description="Attention stays inside each document of a packed block (documents end with EOS)",
     )
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    nproc_per_node: int = Field(1, ge=1, description="Data-parallel processes (torchrun) on this node")
-    data_parallel: Literal["ddp", "fsdp"] = Field(
+    device: MayChange[str] = Field("auto", description="auto, cpu, cuda, cuda:N")
+    nproc_per_node: InRunShape[int] = Field(
+        1, ge=1, description="Data-parallel processes (torchrun) on this node"
+    )
+    data_parallel: MayChange[Literal["ddp", "fsdp"]] = Field(
         "ddp",
         description="How data-parallel ranks share the model: ddp (each rank holds the whole model and "
         "optimizer state) or fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder "
         "block; checkpoints written by every rank). One process trains the plain module either way",
     )
-    activation_checkpointing: Literal["none", "full"] = Field(
+    activation_checkpointing: MayChange[Literal["none", "full"]] = Field(
         "none",
         description="full: recompute each decoder block's activations in the backward pass (less memory, "
         "about a third more compute)",
     )
 
-    checkpoint_every: int = Field(
+    checkpoint_every: MayChange[int] = Field(
         0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept in the run directory")
-    log_every: int = Field(1, ge=1, description="Optimizer steps between logged metrics")
-    max_time_s: float | None = Field(
+    keep_checkpoints: MayChange[int] = Field(
+        2, ge=1, description="Newest checkpoints kept in the run directory"
+    )
+    log_every: MayChange[int] = Field(1, ge=1, description="Optimizer steps between logged metrics")
+    max_time_s: MayChange[float | None] = Field(
         None, gt=0, description="Stop (after a checkpoint) once training ran this long"
     )
 
@@ -99,3 +139,22 @@ class TrainSettings(BaseModel):
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
         return self
+
+
+def resume_rules(model: type[BaseModel] = TrainSettings) -> dict[str, OnResume]:
+    """Each training setting's `OnResume`, by name; raises TypeError naming the fields that declare none."""
+    rules: dict[str, OnResume] = {}
+    for name, field in model.model_fields.items():
+        declared = [m for m in field.metadata if isinstance(m, OnResume)]
+        if len(declared) == 1:
+            rules[name] = declared[0]
+    missing = [name for name in model.model_fields if name not in rules]
+    if missing:
+        raise TypeError(
+            f"{model.__name__} fields {missing} must each declare how they bear on a resume: annotate the type "
+            "with exactly one of MustMatch[...], InRunShape[...] or MayChange[...] (tasks/training/settings.py)"
+        )
+    return rules
+
+
+RESUME_RULES = resume_rules()  # at import: a field added without its rule fails here, not at some resume
