@@ -229,6 +229,51 @@ def test_wsd_schedule_and_max_steps() -> None:
     assert lrs[17:] == pytest.approx([2 / 3, 1 / 3, 0.0])  # 3 decay steps (20% of 15) down to min_lr
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+@pytest.mark.parametrize("total", range(1, 7))
+def test_the_last_step_reaches_the_end_value_whatever_the_warmup(schedule: str, total: int) -> None:
+    for warmup in range(total):  # up to total - 1: one step after the warmup
+        last = lr_at(
+            total - 1, lr=2.0, total_steps=total, warmup_steps=warmup, min_lr_ratio=0.1, schedule=schedule
+        )
+        assert last == pytest.approx(0.2), (total, warmup)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_short_run_from_a_preset_decays_to_the_end_value_in_every_param_group(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, schedule: str, optimizer: str
+) -> None:
+    from flows.config import ConfigNote, PretrainConfig
+
+    with pytest.warns(ConfigNote, match="warmup_steps=5 of preset 'tiny' clamped to 2"):
+        config = PretrainConfig(
+            preset="tiny", max_steps=3, schedule=schedule, optimizer=optimizer, min_lr_ratio=0.1,
+            lr=3e-3, embed_lr=2e-2, scalar_lr=4e-3, muon_lr=0.05,
+            micro_batch_size=2, accumulate_steps=4, compile=False, dtype="fp32",
+        )  # fmt: skip
+    used: list[tuple[str, list[float]]] = []  # (optimizer, each param group's LR) when step() runs
+
+    def record_lr(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        used.append((type(opt).__name__, sorted(float(group["lr"]) for group in opt.param_groups)))
+
+    handle = register_optimizer_step_pre_hook(record_lr)
+    try:
+        ref = fit(model_ref, dataset, config.train_settings(), tmp_path / "run", progress=False)
+    finally:
+        handle.remove()
+    peaks = {"AdamW": [2e-2, 4e-3] + ([3e-3] if optimizer == "adamw" else [])}  # embed, scalar, hidden
+    if optimizer == "muon":
+        peaks["Muon"] = [0.05]
+    factors = [0.5, 1.0, 0.1]  # warmup 1/2, 2/2, then the only post-warmup step: the end value
+    expected = [(name, sorted(p * f for p in group)) for f in factors for name, group in peaks.items()]
+    assert [name for name, _ in used] == [name for name, _ in expected]
+    for (name, got), (_, want) in zip(used, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-12), (name, used)
+    logged = read_metrics(ref.run_dir)
+    assert [logged[s]["train/lr"] for s in (1, 2, 3)] == pytest.approx([1.5e-3, 3e-3, 3e-4], rel=1e-12)
+
+
 # ---------------------------------------------------------------- health, checkpoints, input checks
 
 

@@ -62,6 +62,8 @@ def lr_at(
     cosine: from `lr` down to `min_lr_ratio * lr`, reached exactly at the last step `total_steps - 1`;
     wsd (warmup-stable-decay): `lr` until the last `decay_fraction` of the post-warmup steps, then linear
     down to `min_lr_ratio * lr` at the last step.
+    Whenever a step follows the warmup, the last step is at the end value, even when it is the only
+    one (`warmup_steps = total_steps - 1`, as the flow's preset clamp gives short runs).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -70,7 +72,7 @@ def lr_at(
         return lr * (step + 1) / warmup_steps
     after = total_steps - warmup_steps  # steps left after warmup
     if schedule == "cosine":
-        progress = min(1.0, (step - warmup_steps) / max(1, after - 1))
+        progress = 1.0 if after <= 1 else min(1.0, (step - warmup_steps) / (after - 1))
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "wsd":
         decay_steps = max(1, round(decay_fraction * after))
