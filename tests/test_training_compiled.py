@@ -48,13 +48,12 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRef, DatasetRef
 
 
 def run_settings(**overrides: object) -> TrainSettings:
-    # Global batch 9 over 29 blocks: steps of 9, 9, 9 and 2 blocks. The short last step of an epoch is one
-    # micro-batch instead of 3, topped up with an empty row so the compiled shapes never change.
-    # 2.5 epochs: 10 steps.
+    # Global batch 9 over 29 blocks: 3 epochs are ceil(87 / 9) = 10 steps of 9 blocks; steps 4, 7 and 10
+    # cross an epoch's end (its leftover blocks and the next epoch's first ones), as whole steps.
     base: dict[str, object] = dict(
         micro_batch_size=3,
         accumulate_steps=3,
-        epochs=2.5,
+        epochs=3.0,
         lr=3e-3,
         warmup_steps=2,
         compile=True,
@@ -112,12 +111,12 @@ def test_compiled_bf16_agrees_with_eager_and_never_recompiles(
     assert compile_time >= 0.9 * COMPILE_SECONDS["compiled_run"] > 0
     assert compile_time > 3 * np.median([logged[s]["train/step_time_s"] for s in range(2, 11)])
 
-    # The short last step of each epoch really is fewer micro-batches (and still no recompile).
+    # Every step, those across an epoch's end included, is 3 micro-batches of 3 (so no recompile).
     loader = BlockLoader(
         open_blocks(dataset.path), pad_id=PAD, micro_batch_size=3, accumulate_steps=3, seed=1337
     )
     counts = [len(loader.next_step().micro_batches) for _ in range(4)]
-    assert counts == [3, 3, 3, 1]
+    assert counts == [3, 3, 3, 3]
 
     # MFU is model FLOPs (6 per matmul weight per token, plus attention) over the device's peak. Within 1%:
     # flops_per_token also counts the norms' weights, which are no matmul.

@@ -46,8 +46,8 @@ def padded_dataset(directory: Path) -> DatasetRef:
 
 
 def split_settings(nproc: int, acc: int) -> TrainSettings:
-    # 29 blocks, global batch 8: steps of 8, 8, 8, 5 blocks. With 2 ranks the last step gives rank 0 four
-    # real rows and rank 1 one real row plus three empty ones.
+    # 29 blocks, global batch 8: 4 steps of 8 blocks, the 4th across the epoch's end (its last 5 blocks,
+    # then 3 of the next epoch), uneven padding.
     return TrainSettings(
         micro_batch_size=2,
         accumulate_steps=acc,
@@ -160,9 +160,9 @@ def test_two_gloo_ranks_with_accumulation_k_equal_one_process_with_2k(
 def test_gradients_are_all_reduced_once_per_optimizer_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """no_sync on every micro-batch but the last: one all-reduce per gradient bucket and optimizer step,
-    also in an epoch's last step with fewer micro-batches (a one-process gloo group: the engine wraps DDP
-    whenever it runs in a process group, as under torchrun)."""
+    """no_sync on every micro-batch but the last: one all-reduce per gradient bucket and optimizer step
+    (a one-process gloo group: the engine wraps DDP whenever it runs in a process group, as under
+    torchrun)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -190,7 +190,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(
     handle = register_optimizer_step_pre_hook(step_marker)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        # Global batch 8 over 29 blocks: steps of 4, 4, 4 and 2 micro-batches.
+        # Global batch 8 over 29 blocks: 4 steps of 4 micro-batches.
         run = split_settings(1, 4).model_copy(update={"checkpoint_every": 0})
         run_process(model, dataset, run, tmp_path / "run", progress=False)
     finally:

@@ -43,7 +43,7 @@ def uneven_blocks(n: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
-    # 29 blocks: with a global batch of 8 every epoch ends in a smaller step of 5 blocks.
+    # 29 blocks, global batch 8: step 4 holds epoch 0's last 5 blocks and epoch 1's first 3.
     directory = tmp_path_factory.mktemp("packed")
     return write_packed_dataset(
         directory, uneven_blocks(29, 0), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB
@@ -105,14 +105,39 @@ def rows_seen(blocks: np.ndarray, steps: int, mb: int, acc: int, world: int) -> 
 
 def test_example_order_does_not_depend_on_micro_batch_accumulation_or_ranks() -> None:
     blocks = pattern_blocks(29, SEQ, VOCAB, 3)  # no padding: every row is real
-    reference = rows_seen(blocks, 8, mb=8, acc=1, world=1)  # 2 epochs of 4 steps (8, 8, 8, 5 blocks)
-    assert [len(s) for s in reference] == [8, 8, 8, 5] * 2
+    reference = rows_seen(blocks, 8, mb=8, acc=1, world=1)  # 64 blocks: 2 epochs of 29, 6 of the third
+    assert [len(s) for s in reference] == [8] * 8  # a whole global batch, across epoch ends too
     assert reference == rows_seen(blocks, 8, mb=2, acc=4, world=1)
     assert reference == rows_seen(blocks, 8, mb=1, acc=4, world=2)
     assert reference == rows_seen(blocks, 8, mb=4, acc=1, world=2)
-    epoch0 = sorted(sum(reference[:4], []))
-    assert epoch0 == sorted(int(b[0]) for b in blocks)  # every block once per epoch
-    assert reference[:4] != reference[4:]  # a new permutation each epoch
+    stream, every = sum(reference, []), sorted(int(b[0]) for b in blocks)
+    assert sorted(stream[:29]) == every and sorted(stream[29:58]) == every  # every block once per epoch
+    assert stream[:29] != stream[29:58]  # a new permutation each epoch
+
+
+@pytest.mark.parametrize("n_blocks", [29, 5, 3])
+def test_a_step_across_an_epoch_end_is_a_whole_batch_and_resumes_at_another_world_size(n_blocks: int) -> None:
+    blocks = pattern_blocks(n_blocks, SEQ, VOCAB, 3)
+    one = BlockLoader(blocks, pad_id=PAD, micro_batch_size=8, accumulate_steps=1, seed=7)
+    while one.position.index + 8 <= n_blocks:  # the full steps of epoch 0 (none when 8 > n_blocks)
+        one.next_step()
+    state = one.state_dict()
+    left = n_blocks - state["index"]  # epoch 0's leftover: 5, 5 and 3 blocks
+    [(inputs, targets)] = one.next_step().micro_batches
+    assert inputs.shape == (8, SEQ) and not (targets == IGNORE_INDEX).any()  # 8 real blocks, no empty row
+    # The leftover, then the next epoch from its start (3 blocks: epochs 0, 1 and 2 in one step).
+    assert (one.position.epoch, one.position.index) == divmod(state["index"] + 8, n_blocks)
+    epoch1 = np.random.default_rng([7, 1]).permutation(n_blocks)
+    assert torch.equal(inputs[left], torch.from_numpy(blocks[epoch1[0], :-1]))
+    # The position is global: the same step on 2 ranks x 4 micro-batches of 1, from the 1-rank state.
+    ranks = [
+        BlockLoader(blocks, pad_id=PAD, micro_batch_size=1, accumulate_steps=4, seed=7, rank=r, world_size=2)
+        for r in (0, 1)
+    ]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    split = torch.cat([x for loader in ranks for x, _ in loader.next_step().micro_batches])
+    assert torch.equal(split, inputs)
 
 
 def test_loader_masks_padding_and_resumes_from_its_state() -> None:
@@ -127,11 +152,9 @@ def test_loader_masks_padding_and_resumes_from_its_state() -> None:
     for a, b in zip(after, (again.next_step() for _ in range(3)), strict=True):
         for (xa, ya), (xb, yb) in zip(a.micro_batches, b.micro_batches, strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    # The last step of epoch 0 (step 4) holds 5 blocks: 3 micro-batches, the last topped up with an empty row.
-    last = after[0]
-    assert last.n_blocks == 5 and len(last.micro_batches) == 3
-    _, targets = last.micro_batches[-1]
-    assert (targets[1] == IGNORE_INDEX).all()
+    # Step 4 holds epoch 0's last 5 blocks and epoch 1's first 3: 4 micro-batches like every step.
+    assert all(len(step.micro_batches) == 4 for step in after)
+    assert loader.position.epoch == 1 and loader.position.index == 3 + 2 * 8
     all_targets = torch.cat([t for step in after for _, t in step.micro_batches])
     assert not (all_targets == PAD).any()
     # An epoch's targets are exactly the real (non-pad) tokens of every block.
@@ -168,7 +191,8 @@ def test_training_with_accumulation_matches_one_big_micro_batch(
         model_ref, dataset, settings(micro_batch_size=8, accumulate_steps=1), tmp_path / "kb", progress=False
     )
     assert split.step == whole.step == 8
-    assert split.tokens_seen == whole.tokens_seen == 2 * dataset.train_tokens
+    # 64 blocks: 2 epochs and the first 6 blocks of a third.
+    assert 2 * dataset.train_tokens < split.tokens_seen == whole.tokens_seen < 3 * dataset.train_tokens
     # The step's gradient is the same however it is split: its norm, step by step, then the losses.
     norms_split = [m["train/grad_norm"] for _, m in sorted(read_metrics(split.run_dir).items())]
     norms_whole = [m["train/grad_norm"] for _, m in sorted(read_metrics(whole.run_dir).items())]
@@ -189,7 +213,7 @@ def closed_form_cosine(step: int, lr: float, warmup: int, total: int, min_ratio:
     return lr * min_ratio + (lr - lr * min_ratio) * (1 + math.cos(math.pi * t)) / 2
 
 
-@pytest.mark.parametrize(("mb", "acc", "expected_steps"), [(1, 1, 58), (2, 2, 16), (2, 4, 8), (4, 4, 4)])
+@pytest.mark.parametrize(("mb", "acc", "expected_steps"), [(1, 1, 58), (2, 2, 15), (2, 4, 8), (4, 4, 4)])
 def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, mb: int, acc: int, expected_steps: int
 ) -> None:
@@ -209,9 +233,7 @@ def test_logged_lr_follows_the_closed_form_in_optimizer_steps(
         expected = closed_form_cosine(step, 3e-3, 2, expected_steps, 0.1)
         assert group_lrs == pytest.approx([expected] * len(group_lrs), rel=1e-12), step + 1
     logged = read_metrics(ref.run_dir)
-    assert sorted(logged) == list(
-        range(1, expected_steps + 1)
-    )  # ceil(29 / (mb*acc)) steps per epoch, 2 epochs
+    assert sorted(logged) == list(range(1, expected_steps + 1))  # ceil(2 epochs * 29 blocks / (mb*acc))
     for step, metrics in logged.items():
         assert metrics["train/lr"] == pytest.approx(
             closed_form_cosine(step - 1, 3e-3, 2, expected_steps, 0.1), rel=1e-12
@@ -376,6 +398,8 @@ def test_run_length_from_epochs_and_max_steps() -> None:
     assert total_optimizer_steps(29, 2, 4, 1, epochs=2.0, max_steps=5) == 5  # max_steps alone, when set
     assert total_optimizer_steps(29, 2, 4, 1, epochs=1.0, max_steps=50) == 50
     assert total_optimizer_steps(29, 1, 4, 2, epochs=1.0) == 4  # 2 ranks x 4 x 1 = the same global batch
+    # Whole steps only, the leftover carried: 2 epochs of 25 blocks are 50 / 8 = 6.25 steps, so 7 (not 2 x 4).
+    assert total_optimizer_steps(25, 2, 4, 1, epochs=2.0) == 7
 
 
 def test_injected_crash_happens_once_and_the_retry_resumes(
@@ -447,5 +471,6 @@ def test_the_checkpoint_says_what_set_the_run_length(
     by_epochs = fit(model_ref, dataset, settings(epochs=1.0), tmp_path / "epochs", progress=False)
     assert by_epochs.run_length.startswith("4 optimizer steps, set by epochs=1"), by_epochs.run_length
     assert "29 blocks" in by_epochs.run_length and "8 blocks per step" in by_epochs.run_length
+    assert "3.625 steps per epoch" in by_epochs.run_length
     # A resumed run that is already finished says the same.
     assert fit(model_ref, dataset, settings(epochs=1.0), tmp_path / "epochs", progress=False) == by_epochs

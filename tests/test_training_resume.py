@@ -52,7 +52,7 @@ def model_ref() -> ModelRef:
 
 
 def settings(**overrides: object) -> TrainSettings:
-    # 2 epochs of 29 blocks, global batch 8: 8 optimizer steps, the 4th and 8th of 5 blocks.
+    # 2 epochs of 29 blocks, global batch 8: 8 optimizer steps of 8 blocks, the 4th and 8th across an epoch's end.
     base: dict[str, object] = dict(
         micro_batch_size=2,
         accumulate_steps=4,
@@ -179,7 +179,7 @@ def test_a_resume_may_change_how_the_run_is_carried_out(stopped: Path, name: str
     ("changed", "named"),
     [
         ({"max_steps": 6}, "total_steps: checkpoint 8, now 6"),
-        ({"epochs": 3.0}, "total_steps: checkpoint 8, now 12"),
+        ({"epochs": 3.0}, "total_steps: checkpoint 8, now 11"),  # ceil(3 x 29 / 8)
         (
             {"micro_batch_size": 4},
             "global batch (micro_batch_size x accumulate_steps x ranks): checkpoint 2 x 4 x 1",

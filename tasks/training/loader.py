@@ -1,9 +1,18 @@
 """Deterministic, resumable batches over a packed dataset (`train.npy` of shape (n_blocks, seq_len + 1)).
 
-Order: one permutation of all blocks per epoch, drawn from (seed, epoch). An optimizer step takes the next
-`micro_batch_size * accumulate_steps * world_size` blocks of it; rank r gets the r-th contiguous share and
-cuts it into micro-batches. So the order of examples never depends on how a step is split, and the
-position (epoch, index) is the whole loader state.
+Order: one permutation of all blocks per epoch, drawn from (seed, epoch); the epochs' permutations follow
+one another as one stream. An optimizer step takes the next `micro_batch_size * accumulate_steps *
+world_size` blocks of that stream; rank r gets the r-th contiguous share and cuts it into micro-batches.
+So the order of examples never depends on how a step is split, and the position (epoch, index), counted
+in blocks of all ranks together, is the whole loader state: a checkpoint resumes at another world size.
+
+Every step holds exactly the global batch. The blocks an epoch holds beyond its last full step (n_blocks
+mod global batch) are carried into the next step, which the next epoch's first blocks fill up; they are
+not a smaller step of their own. Such a step moved the hidden matrices as far as a full one (Muon's
+update has the same size whatever the gradient was averaged over) on a gradient of as little as one
+block; carrying keeps every block once per epoch and every step alike. Measured against that smaller step,
+dropping the leftover, and scaling that step's LR by its share of the batch: benchmarks/epoch_leftover.py
+(benchmarks/README.md, "The epoch's leftover").
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
-_EMPTY = -1  # slot of a micro-batch that no block fills (the last step of an epoch)
 
 
 @dataclass
@@ -29,7 +37,6 @@ class LoaderPosition:
 @dataclass
 class StepBatch:
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (inputs, targets), fixed shapes
-    n_blocks: int  # real blocks in the whole step, all ranks
 
 
 class BlockLoader:
@@ -85,35 +92,30 @@ class BlockLoader:
     def next_step(self) -> StepBatch:
         """The next optimizer step's micro-batches for this rank; advances the position."""
         n = len(self.blocks)
-        start = self.position.index
-        taken = self.permutation(self.position.epoch)[start : start + self.global_batch]
-        # The leftover at an epoch's end becomes fewer micro-batches of the same shape; the last one is
-        # topped up with empty rows whose targets are all ignored.
-        per_rank_micro = -(-len(taken) // (self.micro_batch_size * self.world_size))
-        slots = np.full(per_rank_micro * self.micro_batch_size * self.world_size, _EMPTY, dtype=np.int64)
-        slots[: len(taken)] = taken
-        share = per_rank_micro * self.micro_batch_size
-        mine = slots[self.rank * share : (self.rank + 1) * share]
+        parts, wanted = [], self.global_batch
+        while wanted:  # across an epoch's end (more than one when the batch exceeds the dataset)
+            start = self.position.index
+            taken = self.permutation(self.position.epoch)[start : start + wanted]
+            parts.append(taken)
+            wanted -= len(taken)
+            self.position.index = start + len(taken)
+            if self.position.index == n:
+                self.position = LoaderPosition(epoch=self.position.epoch + 1, index=0)
+        share = self.micro_batch_size * self.accumulate_steps
+        mine = np.concatenate(parts)[self.rank * share : (self.rank + 1) * share]
         micro = [
             self._tensors(mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size])
-            for i in range(per_rank_micro)
+            for i in range(self.accumulate_steps)
         ]
-        self.position.index = start + len(taken)
-        if self.position.index >= n:
-            self.position = LoaderPosition(epoch=self.position.epoch + 1, index=0)
-        return StepBatch(micro_batches=micro, n_blocks=len(taken))
+        return StepBatch(micro_batches=micro)
 
     def _tensors(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.full((len(indices), self.blocks.shape[1]), self.pad_id, dtype=np.int64)
-        real = indices != _EMPTY
-        if real.any():
-            rows[real] = self.blocks[indices[real]]
+        rows = np.asarray(self.blocks[indices], dtype=np.int64)
         # Explicit copies: for a single row both slices are contiguous views of one buffer, and masking the
         # targets would write into the inputs.
         inputs = torch.from_numpy(rows[:, :-1].copy())
         targets = torch.from_numpy(rows[:, 1:].copy())
         targets[targets == self.pad_id] = IGNORE_INDEX
-        targets[torch.from_numpy(~real)] = IGNORE_INDEX
         return self._to_device(inputs), self._to_device(targets)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ def total_optimizer_steps(
     epochs: float,
     max_steps: int | None = None,
 ) -> int:
-    """Optimizer steps of a run: `max_steps` when given, else `ceil(epochs * steps_per_epoch)`.
+    """Optimizer steps of a run: `max_steps` when given, else `ceil(epochs * n_blocks / global_batch)`.
 
-    An epoch is `ceil(n_blocks / global_batch)` steps: its last step takes the leftover blocks.
+    Every step holds a whole global batch (an epoch's leftover blocks open the next step: see
+    `tasks.training.loader`), so an epoch is `n_blocks / global_batch` steps, a fraction in general; the last
+    step of a run set by epochs may take a few blocks of the next epoch.
     """
     if n_blocks <= 0:
         raise ValueError(
@@ -28,8 +30,8 @@ def total_optimizer_steps(
     return max(1, math.ceil(epochs * per_epoch - 1e-9))
 
 
-def steps_per_epoch(n_blocks: int, global_batch: int) -> int:
-    return -(-n_blocks // global_batch)
+def steps_per_epoch(n_blocks: int, global_batch: int) -> float:
+    return n_blocks / global_batch
 
 
 def describe_run_length(
@@ -37,7 +39,8 @@ def describe_run_length(
 ) -> str:
     """One sentence for the run summary: how many optimizer steps, and which setting decided it."""
     per_epoch = steps_per_epoch(n_blocks, global_batch)
-    data = f"{n_blocks:,} blocks, {global_batch} blocks per step, {per_epoch} steps per epoch"
+    per_epoch_text = f"{per_epoch:,.3f}".rstrip("0").rstrip(".")
+    data = f"{n_blocks:,} blocks, {global_batch} blocks per step, {per_epoch_text} steps per epoch"
     if max_steps is not None:
         return (
             f"{total_steps} optimizer steps, set by max_steps={max_steps} (epochs={epochs:g} not used; "

@@ -40,8 +40,8 @@ class TrainSettings(BaseModel):
     """How to train. Steps are optimizer steps; one step consumes `micro_batch_size * accumulate_steps *
     nproc_per_node` packed blocks.
 
-    Length of the run: `max_steps` when it is set; otherwise `ceil(epochs * steps_per_epoch)`, where the
-    last step of each epoch takes whatever blocks are left (a smaller step).
+    Length of the run: `max_steps` when it is set; otherwise `ceil(epochs * n_blocks / global batch)`.
+    Every step holds a whole global batch: an epoch's leftover blocks open the next step.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
