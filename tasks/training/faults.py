@@ -6,16 +6,29 @@ Comma-separated `name=step` pairs, steps counted as completed optimizer steps (1
   it once per run directory, so a retry succeeds).
 - `kill_at_step=5`: SIGKILL this process right after step 5 (before any checkpoint of step 5).
 - `kill_in_checkpoint=4`: SIGKILL this process halfway through writing the checkpoint of step 4.
+- `kill_rank_at_step=3`: the last rank of a torchrun job SIGKILLs itself right after step 3, once per run
+  directory (a restarted group goes on).
+- `kill_node_at_step=3`: the same, together with its torchrun agent: the node is gone.
+- `checkpoint_delay_s=40`: every checkpoint write pauses 40 seconds halfway (a slow file system).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 ENV_VAR = "LLAMAFLOW_FAULT_INJECT"
-_KNOWN = ("nan_at_step", "crash_at_step", "kill_at_step", "kill_in_checkpoint")
+_KNOWN = (
+    "nan_at_step",
+    "crash_at_step",
+    "kill_at_step",
+    "kill_in_checkpoint",
+    "kill_rank_at_step",
+    "kill_node_at_step",
+    "checkpoint_delay_s",
+)
 
 
 def injected_faults() -> dict[str, int]:
@@ -47,7 +60,22 @@ class FaultInjector:
     def after_step(self, step: int) -> None:
         if self.faults.get("kill_at_step") == step:
             os.kill(os.getpid(), signal.SIGKILL)
+        last_rank = int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1
+        for name in ("kill_rank_at_step", "kill_node_at_step"):
+            if self.faults.get(name) == step and last_rank and self._first_time(f"{name}-{step}"):
+                if name == "kill_node_at_step":
+                    os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent of this node
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def mid_checkpoint(self, step: int) -> None:
         if self.faults.get("kill_in_checkpoint") == step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.get("checkpoint_delay_s"):
+            time.sleep(self.faults["checkpoint_delay_s"])
+
+    def _first_time(self, name: str) -> bool:
+        marker = self.run_dir / f".fault-{name}"
+        if marker.exists():
+            return False
+        marker.touch()
+        return True

@@ -1,12 +1,15 @@
-"""`fit`, the engine's entry: trains in this process for one device, or as a `torchrun` job for
-`nproc_per_node > 1` (each rank runs `tasks.training.worker`)."""
+"""`fit`, the engine's entry: trains in this process for one device, or as a `torchrun` job (each rank runs
+`tasks.training.worker`) for several processes, several nodes or restarts (`tasks.training.rendezvous`).
+
+Either way the run directory is locked for the job's whole life (`tasks.training.run_lock`).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from model.atomic import write_text_atomic
 from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
+from tasks.training import rendezvous
 from tasks.training.engine import run_process, validate_inputs
-from tasks.training.errors import TrainingError, TrainingInterrupted
+from tasks.training.errors import TrainingError, TrainingInputError, TrainingInterrupted
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.openmp import openmp_env
+from tasks.training.run_lock import hold_run_dir
 from tasks.training.settings import TrainSettings
 
 SPEC_FILE = "torchrun_spec.json"
@@ -54,13 +59,41 @@ def fit(
     finished the run. Metrics of each logged optimizer step go to `sink` and to `<run_dir>/metrics.jsonl`.
     Raises TrainingError (non-finite loss, bad input, failed workers) and TrainingInterrupted (SIGINT/SIGTERM or `should_stop()` returned True, after a checkpoint).
     """
-    if settings.nproc_per_node == 1:
-        return run_process(
-            model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
+    run_dir = Path(run_dir).resolve()
+    if rendezvous.uses_torchrun(settings):
+        check_launch(settings)
+        validate_inputs(model_ref, dataset_ref, settings)  # fail here, not in N workers after their start-up
+    with hold_run_dir(
+        run_dir,
+        rendezvous.lock_identity(settings, run_dir),
+        shared_by_job=settings.nnodes > 1,
+        wait_s=rendezvous.stop_wait_s(settings),
+    ) as lock:
+        if not rendezvous.uses_torchrun(settings):
+            return run_process(
+                model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
+            )
+        with rendezvous.arrival(run_dir, settings):
+            return _fit_with_torchrun(
+                model_ref,
+                dataset_ref,
+                settings,
+                run_dir,
+                sink,
+                progress=progress,
+                should_stop=should_stop,
+                lock_fd=lock.fd,
+            )
+
+
+def check_launch(settings: TrainSettings) -> None:
+    """What torchrun needs that pydantic cannot check alone."""
+    if settings.nnodes > 1 and settings.rdzv_endpoint is None:
+        raise TrainingInputError(
+            f"nnodes={settings.nnodes} needs rdzv_endpoint (host:port where node 0 hosts the rendezvous: a SLURM "
+            "head node, a Kubernetes headless service), the same on every node; with placement='deployment' "
+            "the pretrain flow has node 0 publish one"
         )
-    return _fit_with_torchrun(
-        model_ref, dataset_ref, settings, Path(run_dir), sink, progress=progress, should_stop=should_stop
-    )
 
 
 def _fit_with_torchrun(
@@ -72,9 +105,8 @@ def _fit_with_torchrun(
     *,
     progress: bool,
     should_stop: Callable[[], bool] | None,
+    lock_fd: int | None,
 ) -> CheckpointRef:
-    validate_inputs(model_ref, dataset_ref, settings)  # fail here, not in N workers after their start-up
-    run_dir = run_dir.resolve()
     spec_path = write_worker_spec(
         WorkerSpec(
             model_ref=model_ref,
@@ -86,38 +118,41 @@ def _fit_with_torchrun(
     )
     result_path = run_dir / RESULT_FILE
     result_path.unlink(missing_ok=True)
-    metrics_path = run_dir / METRICS_FILE
-    offset = metrics_path.stat().st_size if metrics_path.exists() else 0
+    forward = MetricsForwarder(run_dir / METRICS_FILE, sink)
 
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={settings.nproc_per_node}",
-        "-m",
-        "tasks.training.worker",
-        str(spec_path),
-    ]
+    command = rendezvous.torchrun_command(settings, spec_path, run_dir)
     env = dict(os.environ)
     env.update(openmp_env(env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     env[HOME_ENV], env[MLRUNS_ENV] = str(home()), str(mlruns_dir())  # the ranks see this process's places
-    # Output is inherited (streamed as it comes); metrics arrive through metrics.jsonl.
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    stop_sent = False
-    try:
-        while process.poll() is None:
-            offset = _forward(metrics_path, offset, sink)
-            if should_stop is not None and not stop_sent and should_stop():
-                process.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker once
-                stop_sent = True
-            time.sleep(0.2)
-    except BaseException:
-        # Ctrl-C here: let the workers checkpoint and stop, then re-raise.
-        _stop(process)
-        raise
-    _forward(metrics_path, offset, sink)
+    # Workers get a TCP store of their own per rendezvous round, not the agent's: with the shared one a
+    # restarted group reads the dead group's addresses and cannot connect (pytorch issues 135712, 167288).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="llamaflow-torchrun-") as scratch:
+        # torchrun's agent writes the exception it ends with here (a rendezvous timeout, failed workers).
+        error_file = Path(scratch) / "agent-error.json"
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+        # Output is inherited (streamed as it comes); metrics arrive through metrics.jsonl. torchrun inherits
+        # the run directory's lock: it stays held while torchrun lives, even if this process is killed.
+        process = subprocess.Popen(
+            command, env=env, start_new_session=True, pass_fds=() if lock_fd is None else (lock_fd,)
+        )
+        stop_sent = False
+        try:
+            while process.poll() is None:
+                forward()
+                if should_stop is not None and not stop_sent and should_stop():
+                    process.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker once
+                    stop_sent = True
+                time.sleep(0.2)
+        except BaseException:
+            # Ctrl-C or a cancellation here: let the workers checkpoint and stop, then re-raise.
+            _stop(process, rendezvous.stop_wait_s(settings))
+            forward()
+            raise
+        forward()
+        agent_error = rendezvous.read_agent_error(error_file)
     if stop_sent:
         raise TrainingInterrupted(
             f"training stopped by a stop request (torchrun exit code {process.returncode}); rerun with the same "
@@ -125,20 +160,39 @@ def _fit_with_torchrun(
         )
     if process.returncode != 0 or not result_path.is_file():
         raise TrainingError(
-            f"torchrun with {settings.nproc_per_node} workers failed (exit code {process.returncode}); see the "
-            f"workers' output above. Rerun with the same checkpoint_dir ({run_dir}) to resume"
+            rendezvous.failure_message(settings, run_dir, agent_error, process.returncode, started)
         )
     return CheckpointRef.model_validate_json(result_path.read_text())
 
 
-def _stop(process: subprocess.Popen, grace_s: float = 120.0) -> None:
+class MetricsForwarder:
+    """Sends the records rank 0 appends to `metrics.jsonl` to `sink`, each step once: after a restart the
+    workers resume from the newest checkpoint and log again the steps after it, which the sink already has."""
+
+    def __init__(self, path: Path, sink: MetricSink | None) -> None:
+        self.path, self.sink = path, sink
+        self.offset = path.stat().st_size if path.exists() else 0  # what earlier runs wrote is not ours
+        self.last_step = 0
+
+    def __call__(self) -> None:
+        records, self.offset = tail_metrics(self.path, self.offset)
+        for step, metrics in records:
+            if step <= self.last_step:
+                continue
+            self.last_step = step
+            if self.sink is not None:
+                self.sink.log_metrics(metrics, step)
+
+
+def _stop(process: subprocess.Popen, wait_s: float) -> None:
     """SIGTERM to torchrun (never to the whole group: workers would get it twice and skip the checkpoint),
-    then SIGKILL to the group if it is still there after `grace_s`."""
+    then SIGKILL to the group if it is still there after `wait_s` (torchrun's own shutdown timeout, the stop
+    grace, comes first)."""
     if process.poll() is not None:
         return
     process.send_signal(signal.SIGTERM)
     try:
-        process.wait(timeout=grace_s)
+        process.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -150,11 +204,3 @@ def write_worker_spec(spec: WorkerSpec) -> Path:
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return write_text_atomic(run_dir / SPEC_FILE, spec.model_dump_json(indent=2))
-
-
-def _forward(metrics_path: Path, offset: int, sink: MetricSink | None) -> int:
-    records, offset = tail_metrics(metrics_path, offset)
-    if sink is not None:
-        for step, metrics in records:
-            sink.log_metrics(metrics, step)
-    return offset

@@ -38,7 +38,7 @@ MayChange = Annotated[_T, OnResume.MAY_CHANGE]
 
 class TrainSettings(BaseModel):
     """How to train. Steps are optimizer steps; one step consumes `micro_batch_size * accumulate_steps *
-    nproc_per_node` packed blocks.
+    nproc_per_node * nnodes` packed blocks.
 
     Length of the run: `max_steps` when it is set; otherwise `ceil(epochs * n_blocks / global batch)`.
     Every step holds a whole global batch: an epoch's leftover blocks open the next step.
@@ -122,6 +122,46 @@ class TrainSettings(BaseModel):
         description="full: recompute each decoder block's activations in the backward pass (less memory, "
         "about a third more compute)",
     )
+    nnodes: InRunShape[int] = Field(
+        1,
+        ge=1,
+        description="Nodes (machines) of the job, each running torchrun with nproc_per_node processes; "
+        "checkpoint_dir and the dataset must be on storage every node reads",
+    )
+    max_restarts: MayChange[int] = Field(
+        0,
+        ge=0,
+        description="Times torchrun restarts the whole worker group after a failed process; each restart "
+        "resumes from the newest checkpoint",
+    )
+    rdzv_endpoint: MayChange[str | None] = Field(
+        None,
+        description="host:port of the c10d rendezvous when nnodes > 1 (a SLURM head node, a Kubernetes "
+        "headless service); unset with placement='deployment': node 0 publishes its own",
+    )
+    rdzv_id: MayChange[str | None] = Field(
+        None,
+        description="Rendezvous id shared by every node of the job (default: the MLflow run id when the "
+        "pretrain flow trains, else an id derived from the checkpoint directory)",
+    )
+    rdzv_timeout_s: MayChange[int] = Field(
+        300,
+        ge=1,
+        description="How long a rendezvous waits for all nnodes nodes (at the start and after a restart) "
+        "before the job fails",
+    )
+    process_group_timeout_min: MayChange[float] = Field(
+        10.0,
+        gt=0,
+        description="How long a collective waits for a silent peer before the job fails (torch's default "
+        "is 30 minutes); must exceed the longest checkpoint write",
+    )
+    stop_grace_s: MayChange[int] = Field(
+        120,
+        ge=1,
+        description="On a stop (cancellation, Ctrl-C), how long the workers get to finish their step and "
+        "checkpoint before they are killed (torchrun's shutdown timeout)",
+    )
 
     checkpoint_every: MayChange[int] = Field(
         0, ge=0, description="Optimizer steps between checkpoints (0 = at the end only)"
@@ -138,6 +178,12 @@ class TrainSettings(BaseModel):
     def _check(self) -> TrainSettings:
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"rdzv_endpoint must be host:port (e.g. node0.cluster:29500), got {self.rdzv_endpoint!r}"
+                )
         return self
 
 

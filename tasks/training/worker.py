@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,7 +29,9 @@ def main(spec_path: str) -> None:
     use_cuda = settings.device.startswith("cuda") or (settings.device == "auto" and torch.cuda.is_available())
     launched = "WORLD_SIZE" in os.environ  # by torchrun
     if launched:
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # A peer that stops answering (a lost node) fails the job in minutes, not after torch's 30.
+        timeout = timedelta(minutes=settings.process_group_timeout_min)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
     try:
         ref = run_process(
             spec.model_ref,
