@@ -7,12 +7,12 @@ final checkpoint travel as the run's artifacts when the two sides do not share a
 with a SQLite store they must share LLAMAFLOW_HOME. docs/production.md explains the set-up.
 
 The wait for the training run is bounded: when it has not ended in time, it is cancelled (so it frees its
-pool's slot) and this run fails.
+pool's slot) and this run fails. With `nnodes > 1` the deployment runs once per node (flows/nodes.py).
 """
 
 from __future__ import annotations
 
-from flows import handoff
+from flows import handoff, nodes
 from flows.config import PretrainConfig
 from flows.remote_train import FLOW_TIMEOUT_S, SharedStorageError, read_result
 from tasks import home
@@ -27,8 +27,16 @@ class PlacementError(RuntimeError):
 
 
 def check_placement(config: PretrainConfig) -> None:
-    """Fail before the data stages when `placement="deployment"` names a deployment the API lacks."""
+    """Fail before the data stages when `placement="deployment"` names a deployment the API lacks, or when
+    several nodes have no way to meet."""
     if config.placement != "deployment":
+        if config.nnodes > 1 and config.rdzv_endpoint is None:
+            raise PlacementError(
+                f"nnodes={config.nnodes} with placement='local' needs rdzv_endpoint (host:port of the node that "
+                "hosts the rendezvous, e.g. a SLURM head node; the other nodes run torchrun with the same "
+                "endpoint and rdzv_id, see docs/production.md), or placement='deployment' to start one train run "
+                "per node on the pool"
+            )
         return
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
@@ -104,11 +112,14 @@ def train_on_deployment(
     retries: int,
     timeout_s: float | None = None,
 ) -> CheckpointRef:
-    """Run deployment `deployment` (FLOW/NAME of the `remote-train` flow), wait for it, return its CheckpointRef."""
+    """Run deployment `deployment` (FLOW/NAME of the `remote-train` flow), wait for it, return its CheckpointRef.
+    With `settings.nnodes > 1` it runs once per node, and `retries` retries the whole group (flows/nodes.py)."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
+    if settings.nnodes > 1 and settings.rdzv_id is None and run_id is not None:
+        settings = settings.model_copy(update={"rdzv_id": run_id})  # the nodes' rendezvous: the MLflow run's
     parameters = deployment_parameters(model, dataset, settings, run_dir, run_id=run_id, retries=retries)
     uri = home.tracking_uri()
     handoff.mark_run_dir(run_dir)
@@ -117,9 +128,14 @@ def train_on_deployment(
     wait_s = timeout_s if timeout_s is not None else _time_left_s()
     # As a subflow of this run: the UI shows it under the pretrain run, and its state is awaited here.
     try:
+        if settings.nnodes > 1:
+            node0 = nodes.run_node_group(deployment, parameters, settings, retries=retries, wait_s=wait_s)
+            return _result(run_dir, str(node0.id), run_id, uri)
         flow_run = run_deployment(deployment, parameters=parameters, timeout=wait_s, as_subflow=True)
     except ObjectNotFound as err:
         raise _missing(deployment, PREFECT_API_URL.value() or "(ephemeral)") from err
+    except nodes.NodeError as err:
+        raise PlacementError(str(err)) from err
     state = flow_run.state
     if state is None or not state.is_final():
         _cancel(flow_run.id)
@@ -133,10 +149,15 @@ def train_on_deployment(
             f"train deployment {deployment!r} flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
             f"{state.message or ''} (see that run's logs)"
         )
+    return _result(run_dir, str(flow_run.id), run_id, uri)
+
+
+def _result(run_dir: str, flow_run_id: str, run_id: str | None, uri: str) -> CheckpointRef:
+    """The CheckpointRef the train flow run wrote beside the checkpoints, or handed back through MLflow."""
     try:
-        return read_result(run_dir, str(flow_run.id))
+        return read_result(run_dir, flow_run_id)
     except SharedStorageError:
-        handed = handoff.fetch_result(run_id, str(flow_run.id), uri) if run_id is not None else None
+        handed = handoff.fetch_result(run_id, flow_run_id, uri) if run_id is not None else None
         if handed is None:
             raise
         return handed

@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows import handoff
+from flows import handoff, nodes
 from model.atomic import write_text_atomic
 from tasks import home
 from tasks.home import apply_embedded_defaults
@@ -132,21 +132,39 @@ def remote_train(
     run_id: str | None = None,
     tracking_uri: str | None = None,
     retries: int = 1,
+    node: int = 0,
+    node0_flow_run: str | None = None,
 ) -> CheckpointRef:
     """Train `model` on `dataset` in `run_dir` (under `$LLAMAFLOW_HOME`: this worker's home); retries resume
-    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py)."""
+    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py).
+
+    With `settings.nnodes > 1` this is node `node` of the job (flows/nodes.py): node 0 publishes the
+    rendezvous, sends the metrics to MLflow and hands the result back; node k meets it through
+    `node0_flow_run`, node 0's flow run."""
     apply_embedded_defaults()
     tracking_uri = resolve_tracking_uri(tracking_uri)
     run_dir = home.local(run_dir)  # `$LLAMAFLOW_HOME/runs/...`: in this worker's home
     fetched = _check_inputs(model, dataset, run_id, tracking_uri)
     if fetched:
         get_run_logger().info(f"fetched {' and '.join(fetched)} from MLflow run {run_id} (no shared disk)")
-    with _tracking_uri(tracking_uri):
-        checkpoint = train_task.with_options(retries=retries)(
-            model, dataset, settings, run_dir, run_id=run_id
-        )
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
+    if settings.nnodes > 1:
+        if node == 0:
+            settings = nodes.open_rendezvous(settings, run_dir, model, dataset, flow_run_id)
+        elif node0_flow_run is None:
+            raise nodes.NodeError(
+                f"node {node} of {settings.nnodes} needs node0_flow_run (node 0's flow run id)"
+            )
+        else:
+            settings = nodes.join_rendezvous(settings, run_dir, model, dataset, node, node0_flow_run)
+    with _tracking_uri(tracking_uri):
+        checkpoint = train_task.with_options(retries=retries)(
+            model, dataset, settings, run_dir, run_id=run_id if node == 0 else None
+        )
+    if node != 0:
+        get_run_logger().info(f"node {node}: training ended at step {checkpoint.step}")
+        return checkpoint
     where = write_result(checkpoint, run_dir, flow_run_id)
     uri = tracking_uri or home.tracking_uri()
     if run_id is not None and handoff.through_server(uri) and not handoff.parent_sees(run_dir):

@@ -116,7 +116,9 @@ def deployment_run_cli(
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[str, dict[str, str]]]:
+def prefect_server(
+    home: Path, base_env: Mapping[str, str], *, health_timeout_s: float = 90.0
+) -> Iterator[tuple[str, dict[str, str]]]:
     """A `prefect server` on a free port with its own PREFECT_HOME; yields (api_url, client env)."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
@@ -137,7 +139,7 @@ def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[st
         log,
     )
     try:
-        wait_healthy(api_url, proc, log)
+        wait_healthy(api_url, proc, log, health_timeout_s)
         yield api_url, env
     finally:
         stop_process_tree(proc)
@@ -145,10 +147,11 @@ def prefect_server(home: Path, base_env: Mapping[str, str]) -> Iterator[tuple[st
 
 @contextlib.contextmanager
 def prefect_worker(
-    pool: str, env: Mapping[str, str], cwd: Path, log: Path
+    pool: str, env: Mapping[str, str], cwd: Path, log: Path, *, limit: int | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`prefect worker start --pool POOL`; stops it and every flow-run process it started."""
-    proc = start([PREFECT_CLI, "worker", "start", "--pool", pool], env, cwd, log)
+    """`prefect worker start --pool POOL [--limit N]`; stops it and every flow-run process it started."""
+    args = [PREFECT_CLI, "worker", "start", "--pool", pool, *(["--limit", str(limit)] if limit else [])]
+    proc = start(args, env, cwd, log)
     try:
         yield proc
     finally:

@@ -67,7 +67,7 @@ def fit(
         run_dir,
         rendezvous.lock_identity(settings, run_dir),
         shared_by_job=settings.nnodes > 1,
-        wait_s=rendezvous.stop_wait_s(settings),
+        wait_s=settings.stop_grace_s,  # a stopping predecessor (a retry racing it) is done by then
     ) as lock:
         if not rendezvous.uses_torchrun(settings):
             return run_process(

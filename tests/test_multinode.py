@@ -1,0 +1,277 @@
+"""Multi-node training, on this machine: torchrun's c10d rendezvous on the loopback address, and the pool.
+
+The pool: a real Prefect server, the train deployment of prefect.yaml (run from this checkout), and two
+process workers in two directories, each taking one flow run at a time (`--limit 1`), as one worker per GPU
+machine would; they share LLAMAFLOW_HOME (the shared storage). A pretrain run with `nnodes: 2`,
+`placement: deployment` starts one train run per node, loses a whole node mid-run (its torchrun agent and
+worker SIGKILLed), starts both nodes again, resumes from the newest checkpoint, and registers the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelled, Running
+
+from flows import nodes
+from flows.config import PretrainConfig
+from flows.placement import PlacementError, check_placement, train_on_deployment
+from flows.processes import free_port
+from model import get_preset
+from prefect_server import TINY_RUN, prefect, prefect_server, prefect_worker, tail
+from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.refs import DatasetRef, ModelRef
+from tasks.training import TrainingError, TrainSettings, fit
+from tasks.training.faults import ENV_VAR
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = "gpu-pool"
+VOCAB = 96
+SEQ = 16
+
+
+def _tiny_inputs(root: Path) -> tuple[ModelRef, DatasetRef]:
+    dataset = write_packed_dataset(
+        root / "packed", pattern_blocks(32, SEQ, VOCAB, 0), pattern_blocks(4, SEQ, VOCAB, 1), vocab_size=VOCAB
+    )
+    return model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)), dataset
+
+
+def test_a_node_that_never_arrives_ends_the_rendezvous_in_bounded_time_naming_the_count(
+    tmp_path: Path,
+) -> None:
+    model, dataset = _tiny_inputs(tmp_path)
+    settings = TrainSettings(
+        micro_batch_size=2,
+        compile=False,
+        device="cpu",
+        nnodes=2,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_timeout_s=5,
+    )
+    started = time.monotonic()
+    with pytest.raises(TrainingError) as failed:
+        fit(model, dataset, settings, tmp_path / "run", progress=False)
+    took_s = time.monotonic() - started
+    message = str(failed.value)
+    assert "gathered 1 of 2 nodes within rdzv_timeout_s=5 s" in message
+    assert "reaches 127.0.0.1:" in message and "--limit 1" in message
+    assert took_s < 60, f"the rendezvous gave up after {took_s:.0f} s"
+
+
+def test_several_nodes_without_a_way_to_meet_are_refused_before_the_data_stages(tmp_path: Path) -> None:
+    with pytest.raises(PlacementError, match="nnodes=2 with placement='local' needs rdzv_endpoint"):
+        check_placement(PretrainConfig(preset="tiny", nnodes=2))
+    check_placement(PretrainConfig(preset="tiny", nnodes=2, rdzv_endpoint="head:29500"))
+    with pytest.raises(TrainingError, match="nnodes=2 needs rdzv_endpoint"):
+        fit(*_tiny_inputs(tmp_path), TrainSettings(nnodes=2), tmp_path / "run")
+
+
+# ---------------------------------------------------------------- the pool
+
+
+@dataclass
+class Pool:
+    env: dict[str, str]
+    logs: list[Path]
+    tracking_uri: str
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    root = tmp_path_factory.mktemp("multinode")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    base_env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
+    }
+    # A loaded machine (shared CI hosts) can take over a minute to start a server on a new database.
+    with prefect_server(root / "prefect", base_env, health_timeout_s=240) as (api_url, env):
+        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        prefect(
+            ["--no-prompt", "deploy", "--name", "gpu", "--prefect-file", str(_shared_checkout(root))],
+            env,
+            REPO,
+        )
+        # Every node run loses its node at step 3 the first time (a marker in the run directory).
+        worker_env = {**env, ENV_VAR: "kill_node_at_step=3"}
+        logs = []
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            workers = []
+            for name in ("machine-a", "machine-b"):
+                (root / name).mkdir()
+                logs.append(root / name / "worker.log")
+                workers.append(
+                    prefect_worker(
+                        POOL,
+                        {**worker_env, "PREFECT_HOME": str(root / name / "prefect")},
+                        root / name,
+                        logs[-1],
+                        limit=1,
+                    )
+                )
+            with workers[0], workers[1]:
+                yield Pool(env, logs, tracking_uri)
+
+
+def _shared_checkout(root: Path) -> Path:
+    """prefect.yaml's deployments, run from this checkout (no clone, no install)."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec["build"] = None
+    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    path = root / "prefect-shared-checkout.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _children(flow_run_id: uuid.UUID) -> list:
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+        )
+    return sorted(runs, key=lambda r: r.created)
+
+
+def _logs(flow_run_id: uuid.UUID) -> list[str]:
+    with get_client(sync_client=True) as client:
+        return [
+            r.message for r in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        ]
+
+
+@pytest.mark.e2e
+def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.pretrain import pretrain
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", pool.tracking_uri)
+    model_name = f"nodes-{uuid.uuid4().hex[:8]}"
+    config = PretrainConfig(
+        **{**TINY_RUN, "max_steps": 6, "checkpoint_every": 2},
+        model_name=model_name,
+        placement="deployment",
+        nnodes=2,
+        nproc_per_node=1,
+        train_retries=1,
+        rdzv_timeout_s=120,
+        stop_grace_s=20,
+        process_group_timeout_min=2,
+    )
+    try:
+        result = pretrain(config)
+    except BaseException:
+        print("\n".join(tail(log, 6000) for log in pool.logs))
+        raise
+
+    assert result.checkpoint.step == 6 and result.registered.version == "1"
+    children = _children(uuid.UUID(Path(result.checkpoint.run_dir).name))
+    states = [r.state.type.value for r in children]
+    # Two tries of two node runs: the first lost a node (one failed, the other failed or was cancelled),
+    # the second completed; each try ran on both machines at once.
+    assert len(children) == 4 and states[2:] == ["COMPLETED", "COMPLETED"], states
+    assert set(states[:2]) <= {"FAILED", "CANCELLED", "CRASHED"} and "FAILED" in states[:2], states
+    for pair in (children[:2], children[2:]):
+        assert sorted(r.parameters["node"] for r in pair) == [0, 1]
+    node0 = next(r for r in children[2:] if r.parameters["node"] == 0)
+    assert node0.labels.get(nodes.ENDPOINT_LABEL, "").startswith("127.0.0.1:")
+
+    run_dir = Path(result.checkpoint.run_dir)
+    assert (run_dir / ".fault-kill_node_at_step-3").exists()
+    pretrain_logs = _logs(uuid.UUID(run_dir.name))
+    assert any(
+        "the 2-node training failed: node" in m and "starting the 2 nodes again" in m for m in pretrain_logs
+    )
+    events = [
+        json.loads(line)["event"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"event"' in line
+    ]
+    assert [e["step"] for e in events if "resumed_from" in e] == [2]  # the second try resumed, not restarted
+
+    mlflow = MlflowClient(pool.tracking_uri, registry_uri=pool.tracking_uri)
+    steps = [m.step for m in mlflow.get_metric_history(result.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 7))  # every step once, from node 0 only
+
+
+@pytest.mark.e2e
+def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_path: Path) -> None:
+    prefect(["work-pool", "create", "idle-pool", "--type", "process"], pool.env, REPO)
+    with get_client(sync_client=True) as client:
+        gpu = client.read_deployment_by_name("remote-train/gpu")
+        idle = client.create_deployment(
+            flow_id=gpu.flow_id,
+            name="idle",
+            work_pool_name="idle-pool",
+            entrypoint=gpu.entrypoint,
+            pull_steps=gpu.pull_steps,
+            parameter_openapi_schema=gpu.parameter_openapi_schema,
+        )
+    model, dataset = _tiny_inputs(tmp_path)
+    settings = TrainSettings(micro_batch_size=2, nnodes=2, stop_grace_s=1)
+    with pytest.raises(PlacementError, match=r"2-node training did not end in time.*node 0 .*never started"):
+        train_on_deployment(
+            "remote-train/idle",
+            model,
+            dataset,
+            settings,
+            str(tmp_path / "run"),
+            run_id=None,
+            retries=0,
+            timeout_s=3,
+        )
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle])))
+    assert len(runs) == 2 and all(r.state.type.value == "CANCELLED" for r in runs)
+
+
+@flow(name="node-0-stand-in")
+def _node0_stand_in() -> None:
+    """A flow run that plays node 0's part here (its labels and state); never run."""
+
+
+@pytest.mark.e2e
+def test_a_node_refuses_a_checkpoint_directory_it_does_not_share_with_node_0(
+    pool: Pool, tmp_path: Path
+) -> None:
+    model, dataset = _tiny_inputs(tmp_path)
+    settings = TrainSettings(micro_batch_size=2, nnodes=2, rdzv_timeout_s=5)
+    with get_client(sync_client=True) as client:
+        node0 = client.create_flow_run(_node0_stand_in, state=Running())
+    # Node 0 writes its token into its run directory; node 1's "same" directory is another disk.
+    published = nodes.open_rendezvous(settings, str(tmp_path / "node0-disk"), model, dataset, str(node0.id))
+    assert published.rdzv_endpoint.startswith("127.0.0.1:")
+    with pytest.raises(nodes.NodeError, match=r"node 1: checkpoint directory .* is not shared with node 0"):
+        nodes.join_rendezvous(settings, str(tmp_path / "node1-disk"), model, dataset, 1, str(node0.id))
+    joined = nodes.join_rendezvous(settings, str(tmp_path / "node0-disk"), model, dataset, 1, str(node0.id))
+    assert joined.rdzv_endpoint == published.rdzv_endpoint
+
+    # A node 0 that ended before publishing: node 1 does not wait out the timeout.
+    with get_client(sync_client=True) as client:
+        silent = client.create_flow_run(_node0_stand_in, state=Cancelled())
+    started = time.monotonic()
+    with pytest.raises(nodes.NodeError, match="node 0 .* ended Cancelled before it published"):
+        nodes.join_rendezvous(settings, str(tmp_path / "node0-disk"), model, dataset, 1, str(silent.id))
+    assert time.monotonic() - started < 5
