@@ -170,7 +170,7 @@ def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", pool.tracking_uri)
     model_name = f"nodes-{uuid.uuid4().hex[:8]}"
     config = PretrainConfig(
-        **{**TINY_RUN, "max_steps": 6, "checkpoint_every": 2},
+        **{**TINY_RUN, "max_steps": 6, "checkpoint_every": 2, "dtype": "fp32"},
         model_name=model_name,
         placement="deployment",
         nnodes=2,
