@@ -220,7 +220,8 @@ def _describe(current: list[Any], bad: list[Any], settings: TrainSettings) -> st
     def one(index: int, run: Any) -> str:
         state = run.state.name if run.state else "no state"
         message = f": {run.state.message}" if bad and run in bad and run.state and run.state.message else ""
-        never = " (never started: no free worker took it)" if state in ("Scheduled", "Pending") else ""
+        waiting = run.state is not None and (run.state.is_scheduled() or run.state.is_pending())
+        never = " (never started: no free worker took it)" if waiting else ""
         return f"node {index} (flow run {run.name}, {run.id}) {state}{never}{message}"
 
     if bad:

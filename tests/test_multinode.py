@@ -9,8 +9,11 @@ worker SIGKILLed), starts both nodes again, resumes from the newest checkpoint, 
 
 from __future__ import annotations
 
+import _thread
+import contextvars
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -245,6 +248,39 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle])))
     assert len(runs) == 2 and all(r.state.type.value == "CANCELLED" for r in runs)
+
+    # The pretrain run stopped while it waits (a cancellation arrives as an exception in the flow run, as
+    # Ctrl-C does): every node run is cancelled at once, not left to the server's cleanup pass.
+    def interrupt_once_both_nodes_exist() -> None:
+        with get_client(sync_client=True) as client:
+            while (
+                len(
+                    client.read_flow_runs(
+                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle]))
+                    )
+                )
+                < 4
+            ):
+                time.sleep(0.5)
+        time.sleep(1)
+        _thread.interrupt_main()
+
+    context = contextvars.copy_context()  # the thread talks to this test's server (temporary_settings)
+    threading.Thread(target=context.run, args=(interrupt_once_both_nodes_exist,), daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        train_on_deployment(
+            "remote-train/idle",
+            model,
+            dataset,
+            settings,
+            str(tmp_path / "run2"),
+            run_id=None,
+            retries=0,
+            timeout_s=600,
+        )
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle])))
+    assert len(runs) == 4 and all(r.state.type.value == "CANCELLED" for r in runs)
 
 
 @flow(name="node-0-stand-in")

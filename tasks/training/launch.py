@@ -57,12 +57,14 @@ def fit(
 
     Resumes from the newest valid checkpoint in `run_dir`; returns at once when that checkpoint already
     finished the run. Metrics of each logged optimizer step go to `sink` and to `<run_dir>/metrics.jsonl`.
-    Raises TrainingError (non-finite loss, bad input, failed workers) and TrainingInterrupted (SIGINT/SIGTERM or `should_stop()` returned True, after a checkpoint).
+    Raises TrainingError (non-finite loss, bad input, failed workers), TrainingInterrupted (SIGINT/SIGTERM or
+    `should_stop()` returned True, after a checkpoint) and RunDirectoryBusy (another job holds `run_dir` for
+    longer than `stop_grace_s`; see tasks/training/run_lock.py).
     """
     run_dir = Path(run_dir).resolve()
-    if rendezvous.uses_torchrun(settings):
-        check_launch(settings)
-        validate_inputs(model_ref, dataset_ref, settings)  # fail here, not in N workers after their start-up
+    # Cheap checks first: bad input fails before the run directory exists, not in N workers after start-up.
+    check_launch(settings)
+    validate_inputs(model_ref, dataset_ref, settings)
     with hold_run_dir(
         run_dir,
         rendezvous.lock_identity(settings, run_dir),

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -189,7 +190,14 @@ def failure_message(
         if settings.nnodes > 1
         else ""
     )
-    return (
-        f"torchrun with {shape} workers failed{restarts} (exit code {returncode}){cause}; see the workers' "
-        f"output above{lost}. {resume}"
+    ended = (
+        f"was killed by {_signal_name(-returncode)}" if returncode < 0 else f"failed (exit code {returncode})"
     )
+    return f"torchrun with {shape} workers {ended}{restarts}{cause}; see the workers' output above{lost}. {resume}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
