@@ -48,6 +48,7 @@ from tasks.training import TrainingError, TrainSettings, fit
 from tasks.training.faults import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[1]
+STDLIB = Path(json.__file__).resolve().parents[1]
 POOL = "gpu-pool"
 VOCAB = 96
 SEQ = 16
@@ -174,6 +175,8 @@ def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
     model_name = f"nodes-{uuid.uuid4().hex[:8]}"
     config = PretrainConfig(
         **{**TINY_RUN, "max_steps": 6, "checkpoint_every": 2, "dtype": "fp32"},
+        data=str(STDLIB / "email" / "*.py"),  # a small corpus: the data stages take seconds
+        val_data=str(STDLIB / "json" / "*.py"),
         model_name=model_name,
         placement="deployment",
         nnodes=2,
