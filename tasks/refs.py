@@ -10,7 +10,7 @@ handed to a worker on another machine names the place in that worker's home.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
@@ -95,6 +95,11 @@ class EvalResult(_Ref):
     checkpoints: tuple[CheckpointScore, ...] = Field(
         (), description="Every valid checkpoint left in the run directory, scored the same way, oldest first"
     )
+
+
+# When a registration moves the alias (tasks.register): only when measured better than the champion; also
+# when the champion cannot be compared (its files are gone, it cannot be scored on our text); or always.
+Promotion = Literal["if_better", "if_better_or_incomparable", "always"]
 
 
 class RegisteredModel(_Ref):

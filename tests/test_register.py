@@ -16,6 +16,7 @@ import mlflow
 import pytest
 import torch
 import yaml
+from mlflow.tracking import MlflowClient
 from registry_world import (
     EOS_ID,
     PAD_ID,
@@ -427,8 +428,159 @@ def test_a_champion_that_is_not_a_llamaflow_model_is_not_replaced(
     ours = _register(world, world.trained, world.dataset, "llamaflow-foreign")
     assert not ours.promoted and ours.champion_bits_per_byte is None
     tags = tracking_store.get_client().get_model_version("llamaflow-foreign", ours.version).tags
-    assert tags[register.TAG_COMPARISON].startswith("champion cannot be loaded as a llamaflow model")
+    assert tags[register.TAG_COMPARISON].startswith("not comparable: version 1 could not be downloaded")
+    assert "is not a llamaflow model" in tags[register.TAG_COMPARISON]
     assert tags[register.TAG_CHAMPION_BITS_PER_BYTE] == "none"
+
+
+def _delete_files_of(name: str, version: str) -> None:
+    """The version's files vanish from the artifact store (a cleanup job, a lost bucket)."""
+    import shutil
+
+    location = tracking_store.get_client().get_model_version_download_uri(name, version)
+    shutil.rmtree(location.removeprefix("file://"))
+
+
+def test_a_champion_whose_files_are_gone_is_not_comparable_and_promotion_decides(
+    world: World, sqlite_store: str
+) -> None:
+    name = "llamaflow-gone"
+    client = tracking_store.get_client()
+    # Scored on another validation text than ours: comparing needs its files.
+    lost = _register(world, world.random_init, world.other_dataset, name)
+    _delete_files_of(name, lost.version)
+
+    kept = _register(world, world.trained, world.dataset, name)  # no crash, the decision recorded
+    assert not kept.promoted and kept.champion_version == lost.version
+    assert kept.champion_bits_per_byte is None
+    tags = client.get_model_version(name, kept.version).tags
+    assert tags[register.TAG_COMPARISON].startswith(f"not comparable: version {lost.version} could not be")
+    assert "could not be compared" in client.get_model_version(name, kept.version).description
+    assert str(client.get_model_version_by_alias(name, "champion").version) == lost.version
+
+    taken = _register(world, world.half_trained, world.dataset, name, promotion="if_better_or_incomparable")
+    assert taken.promoted and taken.champion_version == lost.version
+    assert str(client.get_model_version_by_alias(name, "champion").version) == taken.version
+    comparison = client.get_model_version(name, taken.version).tags[register.TAG_COMPARISON]
+    assert comparison.endswith("promoted anyway (promotion='if_better_or_incomparable')")
+
+    # A comparable, better champion keeps the alias unless promotion is "always".
+    worse = _register(world, world.other_init, world.dataset, name, promotion="if_better_or_incomparable")
+    assert not worse.promoted and worse.champion_bits_per_byte == taken.bits_per_byte
+    forced = _register(world, world.other_init, world.dataset, name, promotion="always")
+    assert forced.promoted and forced.bits_per_byte > forced.champion_bits_per_byte
+    assert str(client.get_model_version_by_alias(name, "champion").version) == forced.version
+
+
+@pytest.mark.parametrize(
+    ("method", "key"),
+    [
+        ("set_model_version_tag", register.TAG_COMPARISON),  # before the alias moves
+        ("set_model_version_tag", register.TAG_PROMOTED),  # after it moved
+        ("set_tag", register.RUN_TAG_VERSION),  # after the decision
+    ],
+)
+def test_a_retry_after_a_crash_in_the_decision_completes_it(
+    world: World, sqlite_store: str, monkeypatch: pytest.MonkeyPatch, method: str, key: str
+) -> None:
+    """The process dies at one write of the decision (a failing call stands for it); the flow-run retry
+    calls register_model again with the same run."""
+    name = f"llamaflow-partial-{key.rsplit('.', 1)[1]}"
+    kwargs = dict(
+        run_id=new_run(name),
+        checkpoint=world.half_trained,
+        tokenizer=world.tokenizer,
+        dataset=world.dataset,
+        eval_result=score(world.half_trained, world.dataset, world.tokenizer),
+        model_name=name,
+        eval_device="cpu",
+    )
+    real = getattr(MlflowClient, method)
+
+    def dies_once(self, *args):
+        if key in args and not getattr(dies_once, "died", False):
+            dies_once.died = True
+            raise RuntimeError("the registering process died here")
+        return real(self, *args)
+
+    monkeypatch.setattr(MlflowClient, method, dies_once)
+    with pytest.raises(RuntimeError, match="died here"):
+        register.register_model(**kwargs)
+    again = register.register_model(**kwargs)
+    client = tracking_store.get_client()
+    assert again.promoted and again.champion_version is None
+    version = client.get_model_version(name, again.version)
+    assert version.tags[register.TAG_COMPARISON] == "no previous champion"
+    assert version.description.startswith(f"Version {again.version} became 'champion'")
+    assert client.get_run(again.run_id).data.tags[register.RUN_TAG_VERSION] == f"{name}/{again.version}"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == again.version
+    assert len(client.search_model_versions(f"name='{name}'")) == 1
+
+
+def test_a_holder_that_stalls_past_its_lease_does_not_leave_its_late_alias_write(
+    world: World, sqlite_store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registration A (the worse model) decides to promote, then its connection to the store hangs for
+    longer than the lock's lease, renewals included. B (the better one) breaks A's lease, takes the alias
+    and records it. Then A's alias write goes through: it must be undone, and A compared with B."""
+    import threading
+
+    name = "llamaflow-stalled"
+    monkeypatch.setattr("tasks.registry.decision.LOCK_LEASE_S", 1.0)
+    _register(world, world.random_init, world.dataset, name)
+    runs = {label: new_run(f"stalled-{label}") for label in "AB"}
+    checkpoints = {"A": world.half_trained, "B": world.trained}
+    scores = {label: score(ckpt, world.dataset, world.tokenizer) for label, ckpt in checkpoints.items()}
+    stalled, resume = threading.Event(), threading.Event()
+
+    def stall_if_a(method: str):  # A's calls hang while stalled (A's thread and its lock-renewal thread)
+        real = getattr(MlflowClient, method)
+
+        def call(self, *args, **kwargs):
+            if threading.current_thread().name.startswith("registrant-A") and not resume.is_set():
+                if method == "set_registered_model_alias":
+                    stalled.set()
+                if stalled.is_set():
+                    resume.wait(120)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlflowClient, method, call)
+
+    stall_if_a("set_registered_model_alias")
+    stall_if_a("set_model_version_tag")
+
+    def registration(label: str) -> RegisteredModel:
+        return register.register_model(
+            run_id=runs[label],
+            checkpoint=checkpoints[label],
+            tokenizer=world.tokenizer,
+            dataset=world.dataset,
+            eval_result=scores[label],
+            model_name=name,
+            eval_device="cpu",
+        )
+
+    results: dict[str, RegisteredModel | BaseException] = {}
+
+    def run_a() -> None:
+        try:
+            results["A"] = registration("A")
+        except BaseException as exc:
+            results["A"] = exc
+
+    a = threading.Thread(target=run_a, name="registrant-A")
+    a.start()
+    assert stalled.wait(120), "A never reached its alias write"
+    results["B"] = registration("B")  # waits out A's lease, then promotes B over version 1
+    resume.set()
+    a.join(120)
+    assert not a.is_alive()
+    first, second = results["A"], results["B"]
+    assert isinstance(first, RegisteredModel), first
+    client = tracking_store.get_client()
+    assert str(client.get_model_version_by_alias(name, "champion").version) == second.version
+    assert second.promoted and second.champion_version == "1"
+    assert not first.promoted and first.champion_version == second.version
 
 
 def test_bad_inputs_fail_before_anything_is_logged(world: World, sqlite_store: str, tmp_path: Path) -> None:
