@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from model import LlamaConfig
+from tasks.refs import Promotion
 from tasks.training.settings import TrainSettings
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
@@ -159,6 +160,12 @@ class PretrainConfig(TrainSettings):
     run_name: str | None = Field(None, description="MLflow run name (default: the Prefect flow run's name)")
     model_name: str = Field("llamaflow", description="MLflow registered model name")
     alias: str = Field("champion", description="Alias moved to the new version only when it is better")
+    promotion: Promotion = Field(
+        "if_better",
+        description="When the alias moves: if_better (lower bits per byte than the champion); "
+        "if_better_or_incomparable (also when the champion cannot be compared: its files are gone, it is not a "
+        "llamaflow model, it cannot score this text); always (forced; both numbers are still recorded)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -127,6 +127,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             eval_result=evaluation,
             model_name=config.model_name,
             alias=config.alias,
+            promotion=config.promotion,
             eval_device=config.device,
         )
     except BaseException as err:
