@@ -401,3 +401,59 @@ def test_a_train_deployment_gets_the_store_without_its_credentials(
     with pytest.raises(SharedStorageError, match="MLFLOW_TRACKING_URI") as excinfo:
         resolve_tracking_uri(parameters["tracking_uri"])
     assert SECRET not in str(excinfo.value)
+
+
+def test_checkpoint_models_logged_again_after_a_crash_log_each_metric_once(
+    run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies after a checkpoint's validation metrics are logged, before its logged model is
+    finalised (every finalize call of that attempt fails); the flow-run retry logs the checkpoints again."""
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.tracking import MlflowClient
+
+    from tasks.refs import CheckpointScore, EvalResult
+    from tasks.tracking import checkpoints
+
+    dataset = _dataset(tmp_path)
+    scores = []
+    for step, bpb in ((10, 2.5), (20, 2.0)):
+        directory = tmp_path / f"step_{step:06d}"
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"weights")
+        (directory / "config.json").write_text("{}")
+        scores.append(CheckpointScore(step=step, path=str(directory), val_loss=2 * bpb, bits_per_byte=bpb))
+    evaluation = EvalResult(
+        val_loss=4.0,
+        perplexity=54.6,
+        bits_per_byte=2.0,
+        xz_bits_per_byte=2.2,
+        scored_tokens=100,
+        scored_bytes=350,
+        text_fingerprint="t" * 64,
+        dataset_fingerprint=dataset.fingerprint,
+        max_blocks=None,
+        dtype="fp32",
+        checkpoints=tuple(scores),
+    )
+
+    def dead(self, model_id, status):
+        raise RuntimeError("the process died here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "finalize_logged_model", dead)
+        with pytest.raises(RuntimeError, match="died here"):
+            checkpoints.log_checkpoint_models(run_id, evaluation, dataset)
+    ids = checkpoints.log_checkpoint_models(run_id, evaluation, dataset)
+    assert checkpoints.log_checkpoint_models(run_id, evaluation, dataset) == ids
+
+    client = store.get_client()
+    for key in ("val/bits_per_byte", "val/loss"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [10, 20], key
+    experiment_id = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    ready = {m.name: m for m in found if m.status == LoggedModelStatus.READY}
+    assert set(ready) == {"checkpoint-000010", "checkpoint-000020"}
+    assert {int(m.params["step"]): m.model_id for m in ready.values()} == ids
+    for model in ready.values():
+        linked = client.get_logged_model(model.model_id).metrics
+        assert sorted(m.key for m in linked) == ["val/bits_per_byte", "val/loss"]

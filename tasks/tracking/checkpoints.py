@@ -9,7 +9,8 @@ before it) with its step, the original module's weights and config, and its vali
         max_results=1, output_format="list")[0]
 
 The optimizer and RNG state stay in the run directory (resuming needs them, a model user does not).
-Logging again (a flow-run retry) reuses the logged models already there.
+Logging again (a flow-run retry) reuses the logged models already there, and finishes one that a crash left
+unfinished (metrics logged, model not finalised) without logging its metrics a second time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mlflow.entities import LoggedModelStatus, Metric
+from mlflow.entities import LoggedModel, LoggedModelStatus, Metric
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
@@ -34,11 +35,13 @@ def model_name(step: int) -> str:
     return f"checkpoint-{step:06d}"
 
 
-def _existing(client: MlflowClient, experiment_id: str, run_id: str) -> dict[str, str]:
+def _existing(client: MlflowClient, experiment_id: str, run_id: str) -> dict[str, LoggedModel]:
+    """The run's checkpoint models by name: the finalised one, else the newest unfinished one."""
     found = client.search_logged_models(
         [experiment_id], filter_string=f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'"
     )
-    return {m.name: m.model_id for m in found if m.status == LoggedModelStatus.READY}
+    ranked = sorted(found, key=lambda m: (m.status == LoggedModelStatus.READY, m.creation_timestamp))
+    return {m.name: m for m in ranked}  # the last one of each name wins
 
 
 def _log_one(
@@ -47,8 +50,9 @@ def _log_one(
     run_id: str,
     score: CheckpointScore,
     dataset: DatasetRef,
+    unfinished: LoggedModel | None,
 ) -> str:
-    logged = client.create_logged_model(
+    logged = unfinished or client.create_logged_model(
         experiment_id,
         name=model_name(score.step),
         source_run_id=run_id,
@@ -56,6 +60,8 @@ def _log_one(
         tags={TAG_CHECKPOINT: home.portable(score.path)},
         model_type=MODEL_TYPE,
     )
+    # Metrics an unfinished attempt already logged (linked to this model) are not logged again.
+    logged_before = {(m.key, m.step) for m in client.get_logged_model(logged.model_id).metrics or []}
     try:
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             client.log_model_artifact(logged.model_id, str(Path(score.path) / name))
@@ -69,7 +75,9 @@ def _log_one(
             Metric("val/bits_per_byte", score.bits_per_byte, now, score.step, **linked),
             Metric("val/loss", score.val_loss, now, score.step, **linked),
         ]
-        client.log_batch(run_id, metrics=metrics)
+        missing = [m for m in metrics if (m.key, m.step) not in logged_before]
+        if missing:
+            client.log_batch(run_id, metrics=missing)
     except BaseException:
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
@@ -86,6 +94,9 @@ def log_checkpoint_models(
     existing = _existing(client, experiment_id, run_id)
     ids = {}
     for score in evaluation.checkpoints:
-        name = model_name(score.step)
-        ids[score.step] = existing.get(name) or _log_one(client, experiment_id, run_id, score, dataset)
+        found = existing.get(model_name(score.step))
+        if found is not None and found.status == LoggedModelStatus.READY:
+            ids[score.step] = found.model_id
+        else:
+            ids[score.step] = _log_one(client, experiment_id, run_id, score, dataset, found)
     return ids
