@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel, Field, ValidationError
 
 from flows.config import ConfigNote, PretrainConfig
@@ -60,13 +61,32 @@ def _run_identity(config: PretrainConfig) -> tuple[str, str]:
     return config.run_name or f"run-{key[:8]}", key
 
 
-@flow(name="pretrain", log_prints=True, validate_parameters=True, timeout_seconds=FLOW_TIMEOUT_S)
+def _end_runs_left_running(experiment: str, uri: str, log: Any) -> None:
+    """End the MLflow runs of `experiment` whose flow run is over, which nothing ended (a lost worker)."""
+    try:
+        ended = runs.end_runs_of_finished_flow_runs(experiment, uri)
+    except Exception as err:  # housekeeping: never the reason a run fails
+        log.warning(f"could not look for MLflow runs left RUNNING by flow runs that are over: {err}")
+        return
+    for run_id, status in ended.items():
+        log.info(f"MLflow run {run_id} was left RUNNING by a flow run that is over: ended {status}")
+
+
+@flow(
+    name="pretrain",
+    log_prints=True,
+    validate_parameters=True,
+    timeout_seconds=FLOW_TIMEOUT_S,
+    on_crashed=[runs.end_runs_hook("FAILED")],
+    on_cancellation=[runs.end_runs_hook("KILLED")],
+)
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
     apply_embedded_defaults()
     log = get_run_logger()
     uri = store.check_tracking_store()  # fails here, in seconds, when the store is unreachable
     check_placement(config)
+    _end_runs_left_running(config.experiment, uri, log)
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
     run_dir = config.checkpoint_dir or str(runs_dir() / run_key)
@@ -131,7 +151,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             eval_device=config.device,
         )
     except BaseException as err:
-        stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted)
+        stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted | TerminationSignal)
         store.end_run(run_id, "KILLED" if stopped else "FAILED", uri)
         raise
     store.end_run(run_id, "FINISHED", uri)

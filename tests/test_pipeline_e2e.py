@@ -165,6 +165,85 @@ def test_registered_weights_are_the_plain_module_and_reproduce_the_trained_logit
     assert again.bits_per_byte == tiny_run.evaluation.bits_per_byte
 
 
+def test_a_registration_retried_after_a_crash_completes_its_run_tag_and_event(
+    tiny_run: PretrainResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registering process dies after the decision is recorded, before the run tag and the event (a
+    failing call stands for it); the retry sends the event, once."""
+    from tasks.register import RUN_TAG_VERSION, register_model
+    from tasks.tracking import store
+
+    name = "e2e-retried-registration"
+    kwargs = dict(
+        run_id=store.start_run("e2e-retried-registration", "retry"),
+        checkpoint=tiny_run.checkpoint,
+        tokenizer=tiny_run.tokenizer,
+        dataset=tiny_run.dataset,
+        eval_result=tiny_run.evaluation,
+        model_name=name,
+        eval_device="cpu",
+    )
+    real_set_tag = MlflowClient.set_tag
+
+    def dies_once(self, run_id, key, value, *args, **kwargs):
+        if key == RUN_TAG_VERSION and not getattr(dies_once, "died", False):
+            dies_once.died = True
+            raise RuntimeError("the registering process died here")
+        return real_set_tag(self, run_id, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "set_tag", dies_once)
+    with pytest.raises(RuntimeError, match="died here"):
+        register_model(**kwargs)
+    registered = register_model(**kwargs)
+    tags = MlflowClient(home.tracking_uri()).get_run(registered.run_id).data.tags
+    assert tags[RUN_TAG_VERSION] == f"{name}/{registered.version}"
+    body = {"filter": {"any_resource": {"id": [f"mlflow.model-version.{name}.{registered.version}"]}}}
+    deadline = time.monotonic() + 30
+    while True:  # the server persists events asynchronously
+        events = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body).json()["events"]
+        if events or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    time.sleep(1.0)  # a second event would have come with the first
+    events = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body).json()["events"]
+    assert [e["event"] for e in events] == ["llamaflow.model.promoted"]
+
+
+def test_a_flow_run_ends_the_mlflow_runs_left_running_by_flow_runs_that_are_over(
+    prefect_api, tmp_path: Path
+) -> None:
+    """Runs whose flow-run process died with no chance to end them (kill -9, a lost machine): the next
+    flow run of the experiment ends them, as their flow run ended; it leaves running ones alone."""
+    from prefect import flow
+    from prefect.states import Cancelled, Crashed, Running
+
+    from tasks.tracking import store
+
+    @flow(name="earlier-pretrain")
+    def earlier() -> None:
+        pass
+
+    experiment = "e2e-left-running"
+    ids = {}
+    with get_client(sync_client=True) as client:
+        for label, state in (("crashed", Crashed()), ("cancelled", Cancelled()), ("running", Running())):
+            flow_run = client.create_flow_run(earlier, state=state)
+            ids[label] = store.start_run(experiment, label, tags={"prefect.flow_run_id": str(flow_run.id)})
+    ids["no flow run"] = store.start_run(experiment, "a script's run")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    with pytest.raises(Exception, match="(?i)empty"):  # fails right after its start: enough here
+        pretrain(PretrainConfig(preset="tiny", data=str(empty), experiment=experiment))
+    statuses = {label: store.run_status(run_id) for label, run_id in ids.items()}
+    assert statuses == {
+        "crashed": "FAILED",
+        "cancelled": "KILLED",
+        "running": "RUNNING",
+        "no flow run": "RUNNING",
+    }
+
+
 def test_flow_rejects_an_empty_corpus_before_training(prefect_api, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

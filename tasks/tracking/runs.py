@@ -6,17 +6,25 @@
   itself knows nothing of MLflow).
 - Otherwise a new run is created.
 A continued run is set back to RUNNING; the sink then fills in what it missed and re-logs nothing.
+
+A run outlives its flow run when the process dies with no chance to end it (kill -9, out of memory, a lost
+machine). The flow's crash and cancellation hooks end it (`end_runs_of_flow_run`: Prefect runs them in
+the worker once the flow-run process is gone), and every flow start ends the runs of its experiment whose
+flow run is over (`end_runs_of_finished_flow_runs`), for the cases no hook ran (a lost worker, once Prefect
+has marked its flow run Crashed).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from mlflow.entities import RunTag
+from mlflow.entities import Run, RunTag
 from mlflow.exceptions import MlflowException
 
 from model.atomic import write_text_atomic
@@ -25,6 +33,13 @@ from tasks.tracking.code_version import code_version_tags
 
 RUN_RECORD_FILE = "mlflow_run.json"
 FLOW_RUN_TAG = "prefect.flow_run_id"
+# The status an MLflow run left RUNNING gets when its flow run is over.
+STATUS_OF_FINAL_FLOW_RUN = {
+    "COMPLETED": "FINISHED",
+    "CANCELLED": "KILLED",
+    "CRASHED": "FAILED",
+    "FAILED": "FAILED",
+}
 
 
 @dataclass(frozen=True)
@@ -116,8 +131,90 @@ def open_run(
     if run_id is None:
         return OpenedRun(store.start_run(experiment, run_name, tags=tags, uri=uri), None)
     client = store.get_client(uri)
-    client.update_run(run_id, status="RUNNING")
-    # The latest flow run that wrote to it, and the code it ran.
+    # The latest flow run that writes to it (first: a sweep must never see it RUNNING with the tag of the
+    # flow run that is over), and the code it runs.
     latest = {**code_version_tags(), **tags}
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in latest.items()], synchronous=True)
+    client.update_run(run_id, status="RUNNING")
     return OpenedRun(run_id, continued)
+
+
+def _running_runs(uri: str, experiment: str | None = None, flow_run_id: str | None = None) -> list[Run]:
+    """RUNNING runs with a flow-run tag, in `experiment` (else in every experiment), of `flow_run_id`."""
+    client = store.get_client(uri)
+    if experiment is not None:
+        found = client.get_experiment_by_name(experiment)
+        experiment_ids = [] if found is None else [found.experiment_id]
+    else:
+        experiment_ids = [e.experiment_id for e in client.search_experiments(max_results=50_000)]
+    if not experiment_ids:
+        return []
+    where = "attributes.status = 'RUNNING'"
+    if flow_run_id is not None:
+        where += f" and tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'"
+    found_runs = client.search_runs(experiment_ids, filter_string=where, max_results=1000)
+    return [run for run in found_runs if FLOW_RUN_TAG in run.data.tags]
+
+
+def _end_if_still_of(run_id: str, flow_run_id: str, status: str, uri: str) -> bool:
+    """End the run unless a new flow run continued it since it was found (open_run tags it first)."""
+    run = store.get_client(uri).get_run(run_id)
+    if run.info.status != "RUNNING" or run.data.tags.get(FLOW_RUN_TAG) != flow_run_id:
+        return False
+    store.end_run(run_id, status, uri)
+    return True
+
+
+def end_runs_of_flow_run(flow_run_id: str, status: str, uri: str | None = None) -> list[str]:
+    """End with `status` the runs (of any experiment) that flow run `flow_run_id` left RUNNING; their ids."""
+    uri = store.check_tracking_store(uri)
+    found = [run.info.run_id for run in _running_runs(uri, flow_run_id=flow_run_id)]
+    return [run_id for run_id in found if _end_if_still_of(run_id, flow_run_id, status, uri)]
+
+
+def end_runs_hook(status: str) -> Callable[[Any, Any, Any], None]:
+    """A flow's `on_crashed`/`on_cancellation` hook that ends the MLflow runs its flow run left RUNNING
+    with `status`. After a kill -9 or a cancellation Prefect runs it in the worker, the flow run's process
+    being gone (its environment holds the same store)."""
+
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        from prefect.logging import get_logger
+
+        from tasks.home import apply_embedded_defaults
+
+        apply_embedded_defaults()
+        for run_id in end_runs_of_flow_run(str(flow_run.id), status):
+            get_logger("llamaflow").info(f"MLflow run {run_id} ended {status}: its flow run is {state.name}")
+
+    hook.__name__ = f"end_mlflow_runs_{status.lower()}"
+    return hook
+
+
+def end_runs_of_finished_flow_runs(experiment: str, uri: str | None = None) -> dict[str, str]:
+    """End the runs of `experiment` left RUNNING by a flow run that is over (the Prefect API's state, read
+    for every such run at once); returns run id → the status given. A flow run this Prefect API does not
+    know (another server, a wiped ephemeral database) leaves its run alone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    uri = store.check_tracking_store(uri)
+    by_flow_run: dict[uuid.UUID, list[str]] = {}
+    for run in _running_runs(uri, experiment):
+        try:
+            flow_run_id = uuid.UUID(run.data.tags[FLOW_RUN_TAG])
+        except ValueError:
+            continue
+        by_flow_run.setdefault(flow_run_id, []).append(run.info.run_id)
+    if not by_flow_run:
+        return {}
+    with get_client(sync_client=True) as prefect:
+        flow_runs = prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(by_flow_run))), limit=len(by_flow_run)
+        )
+    ended: dict[str, str] = {}
+    for flow_run in flow_runs:
+        status = STATUS_OF_FINAL_FLOW_RUN.get(flow_run.state.type.value) if flow_run.state else None
+        for run_id in by_flow_run[flow_run.id] if status else ():
+            if _end_if_still_of(run_id, str(flow_run.id), status, uri):
+                ended[run_id] = status
+    return ended
