@@ -151,7 +151,7 @@ def test_a_dataset_under_the_home_is_stored_relative_to_it(run_id: str) -> None:
     assert PackedSplitSource.from_dict(sources[0]).load().startswith(str(home.home()))
 
 
-def test_sink_logs_every_step_once_through_async_logging(run_id: str) -> None:
+def test_sink_logs_every_step_once_without_waiting_for_the_store(run_id: str) -> None:
     client = store.get_client()
     sink = MlflowSink(run_id)
     started = time.perf_counter()
@@ -215,6 +215,28 @@ def test_sink_retries_what_the_store_refused_and_fails_at_close(run_id: str) -> 
     with pytest.raises(RuntimeError, match="1 metrics could not be written"):
         again.close()
     client.restore_run(run_id)
+
+
+def test_a_sink_holds_what_a_refusing_store_missed_and_reads_back_what_it_dropped(
+    run_id: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store refuses writes for 300 steps (the run is deleted: as an outage would); the sink holds at
+    most `max_buffered` metrics, and the steps it dropped come back from metrics.jsonl when it closes."""
+    client = store.get_client()
+    jsonl = JsonlMetrics(tmp_path)
+    sink = MlflowSink(run_id, run_dir=tmp_path)
+    sink.max_buffered = 100
+    client.delete_run(run_id)
+    for step in range(1, 301):
+        metrics = {"train/loss": 10.0 - step / 100, "train/lr": 0.1}
+        jsonl.log_metrics(metrics, step)
+        sink.log_metrics(metrics, step)
+    assert not sink.flush(timeout_s=30)
+    assert "dropped from memory" in caplog.text
+    client.restore_run(run_id)
+    sink.close(timeout_s=60)
+    for key in ("train/loss", "train/lr"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, 301)), key
 
 
 def test_sink_checks_the_run_and_store_up_front(store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
