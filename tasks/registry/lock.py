@@ -35,7 +35,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 LOCK_SUFFIX = ".promotion-lock"
-TICKET_SOURCE = "llamaflow:promotion-lock"  # a ticket holds no model
+TICKET_SOURCE = "llamaflow:/promotion-lock"  # a ticket holds no model (a server wants an absolute path)
 TAG_HOLDER = "llamaflow.lock_holder"
 TAG_RENEWAL = "llamaflow.lock_renewal"
 _TAKEN = ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS")
