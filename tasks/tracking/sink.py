@@ -249,9 +249,10 @@ class MlflowSink:
         """Queue again, from metrics.jsonl, what an outage made `_drop_oldest` let go, as the queue empties."""
         assert self.run_dir is not None
         for step, metrics in sorted(read_metrics(self.run_dir).items()):
+            size = len(metrics)
             with self._lock:
-                room = self._lock.wait_for(
-                    lambda: len(self._pending) < self.max_buffered,
+                room = self._lock.wait_for(  # room for the whole step: nothing is dropped again
+                    lambda size=size: len(self._pending) + size <= self.max_buffered,
                     timeout=max(0.0, deadline - time.monotonic()),
                 )
                 if not room:
