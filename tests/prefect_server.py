@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from uuid import UUID
 from flows.processes import free_port, stop_tree
 
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
+REPO = Path(__file__).resolve().parents[1]
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # The pretrain config of a deployed test run. Orchestration is under test there, not speed: the tiny model,
 # small eager steps (test_pipeline_e2e.py covers torch.compile), and enough steps and checkpoints for a crash
@@ -38,6 +40,30 @@ TINY_RUN = {
     "num_samples": 1,
     "sample_max_new_tokens": 8,
 }
+
+
+def git(args: list[str], cwd: Path) -> str:
+    identity = ["-c", "user.name=llamaflow-test", "-c", "user.email=test@llamaflow.invalid"]
+    done = subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def publish_snapshot(root: Path) -> Path:
+    """A bare repository (the remote) holding this working tree as one commit, tracked files and new ones."""
+    files = git(["ls-files", "--cached", "--others", "--exclude-standard", "-z"], REPO).split("\0")
+    snapshot = root / "snapshot"
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, snapshot / name)
+    git(["init", "-q", "-b", "main"], snapshot)
+    git(["add", "-A"], snapshot)
+    git(["commit", "-q", "-m", "snapshot under test"], snapshot)
+    origin = root / "origin.git"
+    git(["clone", "-q", "--bare", str(snapshot), str(origin)], root)
+    shutil.rmtree(snapshot)
+    return origin
 
 
 def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
@@ -117,7 +143,7 @@ def deployment_run_cli(
 
 @contextlib.contextmanager
 def prefect_server(
-    home: Path, base_env: Mapping[str, str], *, health_timeout_s: float = 90.0
+    home: Path, base_env: Mapping[str, str], *, health_timeout_s: float = 240.0
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """A `prefect server` on a free port with its own PREFECT_HOME; yields (api_url, client env)."""
     port = free_port()

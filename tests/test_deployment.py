@@ -1,15 +1,17 @@
 """Deployments, end to end: a real Prefect server, the deployments of the repository's prefect.yaml on a
 process work pool, a real worker running the `pretrain` flow on the tiny preset.
 
-Here the worker shares this checkout (the deployments run from it: `set_working_directory`, the
-development set-up), so each run starts in seconds; tests/test_production_e2e.py runs prefect.yaml's own
-build and pull steps (clone the commit, install it) on a worker that shares nothing with the deployer.
-One server, pool, deployment and worker serve the whole module (~20 s to start); each test triggers
-its own flow runs through the API, as an operator or a schedule would.
+prefect.yaml is first deployed as shipped, from a clean clone of a snapshot of this checkout (its build steps
+find the commit and the remote; the deployments must pull that commit); then the same deployments are
+deployed again to run from this checkout (`set_working_directory`, the development set-up), so each run
+starts in seconds; tests/test_production_e2e.py runs the shipped pull steps (clone the commit, install it) on
+a worker that shares nothing with the deployer. One server, pool, deployment and worker serve the whole
+module; each test triggers its own flow runs through the API, as an operator or a schedule would.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -43,9 +45,11 @@ from flows.remote_train import RESULT_FILE, SharedStorageError, read_result, rem
 from prefect_server import (
     TINY_RUN,
     deployment_run_cli,
+    git,
     prefect,
     prefect_server,
     prefect_worker,
+    publish_snapshot,
     tail,
     wait_for_flow_run,
 )
@@ -63,6 +67,17 @@ class Stack:
     env: dict[str, str]
     worker_log: Path
     tracking_uri: str
+    shipped: Shipped
+
+
+@dataclass
+class Shipped:
+    """prefect.yaml's deployments as `prefect deploy --all` made them from a clean clone of `origin`."""
+
+    deployments: dict[str, Any]
+    origin: Path
+    commit: str
+    deployer: Path
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     with prefect_server(root / "prefect", base_env) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        shipped = _deploy_as_shipped(root, env, api_url)
         prefect(
             ["--no-prompt", "deploy", "--all", "--prefect-file", str(_shared_checkout_file(root))], env, REPO
         )
@@ -89,7 +105,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             prefect_worker(POOL, env, root, worker_log),
             temporary_settings(updates={PREFECT_API_URL: api_url}),
         ):
-            yield Stack(api_url, env, worker_log, tracking_uri)
+            yield Stack(api_url, env, worker_log, tracking_uri, shipped)
+
+
+def _deploy_as_shipped(root: Path, env: dict[str, str], api_url: str) -> Shipped:
+    """`prefect deploy --all` of the repository's own prefect.yaml, from a clone whose HEAD is pushed."""
+    origin = publish_snapshot(root)
+    deployer = root / "deployer"
+    git(["clone", "-q", str(origin), str(deployer)], root)
+    prefect(["--no-prompt", "deploy", "--all"], {**env, "PYTHONPATH": str(deployer)}, deployer)
+    names = ("pretrain/nightly", "pretrain/adhoc", "remote-train/gpu")
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        deployments = {name: client.read_deployment_by_name(name) for name in names}
+    return Shipped(deployments, origin, git(["rev-parse", "HEAD"], deployer), deployer)
 
 
 def _shared_checkout_file(root: Path) -> Path:
@@ -145,6 +173,21 @@ def _task_name(task_run: Any) -> str:
     return task_run.name.rsplit("-", 1)[0]
 
 
+def _mlflow_status(stack: Stack, flow_run_id: uuid.UUID, wait_s: float = 0.0) -> str:
+    """The status of the MLflow run of a flow run of the tiny preset, once it is not RUNNING (or after
+    `wait_s`: a hook in the worker may still be ending it)."""
+    client = MlflowClient(stack.tracking_uri)
+    experiment = client.get_experiment_by_name("llamaflow-tiny")
+    deadline = time.monotonic() + wait_s
+    while True:
+        (run,) = client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'"
+        )
+        if run.info.status != "RUNNING" or time.monotonic() > deadline:
+            return run.info.status
+        time.sleep(1.0)
+
+
 def _explain(run: FlowRun, stack: Stack) -> str:
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
@@ -154,10 +197,10 @@ def _explain(run: FlowRun, stack: Stack) -> str:
 
 @pytest.mark.e2e
 def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: Stack) -> None:
-    with get_client(sync_client=True) as client:
-        nightly = client.read_deployment_by_name("pretrain/nightly")
-        adhoc = client.read_deployment_by_name("pretrain/adhoc")
-        gpu = client.read_deployment_by_name("remote-train/gpu")
+    shipped = stack.shipped
+    nightly, adhoc, gpu = (
+        shipped.deployments[name] for name in ("pretrain/nightly", "pretrain/adhoc", "remote-train/gpu")
+    )
 
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [
         ("0 2 * * *", "Europe/Berlin", True)
@@ -168,9 +211,16 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
     assert adhoc.schedules == [] and adhoc.global_concurrency_limit is None
     for dep in (nightly, adhoc, gpu):
         assert dep.work_pool_name == POOL
-        assert dep.pull_steps == [
-            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
-        ]
+        # A worker clones the deployed commit from the remote, then installs the clone: nothing of the
+        # deployer's disk.
+        (clone_step,), (install_step,) = (step.items() for step in dep.pull_steps)
+        assert clone_step[0] == "prefect.deployments.steps.git_clone"
+        assert clone_step[1]["repository"] == str(shipped.origin)
+        assert clone_step[1]["commit_sha"] == shipped.commit
+        assert install_step[0] == "prefect.deployments.steps.pip_install_requirements"
+        assert install_step[1]["directory"] == "{{ " + clone_step[1]["id"] + ".directory }}"
+        assert install_step[1]["requirements_file"] == "flows/worker-requirements.txt"
+        assert str(shipped.deployer) not in json.dumps(dep.model_dump(mode="json"))
     assert nightly.parameters == {"config": {"preset": "demo"}}
 
     # The form: the config parameter is the PretrainConfig model, every field with its default and help.
@@ -315,6 +365,18 @@ def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stac
     assert (run_dir / f"step_{step:06d}" / "model.safetensors").is_file()
     # It exited on its own: Prefect's SIGKILL comes 30 s after SIGTERM.
     assert took_s < 30, f"cancellation took {took_s:.0f} s"
+    assert _mlflow_status(stack, run.id) == "KILLED"
+
+
+@pytest.mark.e2e
+def test_a_flow_run_killed_with_sigkill_ends_its_mlflow_run(stack: Stack) -> None:
+    """kill -9 (or the kernel's OOM killer) of the flow-run process: no code of it runs again. The worker
+    marks the run Crashed and runs the flow's on_crashed hook, which ends the MLflow run."""
+    fault = {"env": {"LLAMAFLOW_FAULT_INJECT": "kill_at_step=3"}}
+    run = _start("pretrain/adhoc", {"config": {**TINY_RUN, "model_name": "killed"}}, fault)
+    run = wait_for_flow_run(run.id, RUN_TIMEOUT_S, stack.worker_log)
+    assert run.state.type.value == "CRASHED", _explain(run, stack)
+    assert _mlflow_status(stack, run.id, wait_s=120) == "FAILED", tail(stack.worker_log)
 
 
 @pytest.mark.e2e
@@ -343,6 +405,7 @@ def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: St
             for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id])))
         ]
     assert any("training stopped by SIGTERM after step" in m for m in logs)
+    assert _mlflow_status(stack, run.id) == "KILLED"  # the pretrain run's, which the subflow trained in
 
 
 @pytest.mark.e2e

@@ -29,6 +29,8 @@ import pytest
 from flows import services as stores
 from flows.processes import free_port, stop_tree, wait_http
 from prefect_server import TINY_RUN, deployment_run_cli, prefect, start, tail, wait_for_flow_run
+from prefect_server import git as _git
+from prefect_server import publish_snapshot as _publish_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
@@ -43,30 +45,6 @@ def _env(**extra: str) -> dict[str, str]:
     }
     env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_CLI_PROMPT": "false", **extra})
     return env
-
-
-def _git(args: list[str], cwd: Path) -> str:
-    identity = ["-c", "user.name=llamaflow-test", "-c", "user.email=test@llamaflow.invalid"]
-    done = subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True, check=True)
-    return done.stdout.strip()
-
-
-def _publish_snapshot(root: Path) -> Path:
-    """A bare repository (the remote) holding this working tree as one commit, tracked files and new ones."""
-    files = _git(["ls-files", "--cached", "--others", "--exclude-standard", "-z"], REPO).split("\0")
-    snapshot = root / "snapshot"
-    for name in filter(None, files):
-        source = REPO / name
-        if source.is_file():
-            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, snapshot / name)
-    _git(["init", "-q", "-b", "main"], snapshot)
-    _git(["add", "-A"], snapshot)
-    _git(["commit", "-q", "-m", "snapshot under test"], snapshot)
-    origin = root / "origin.git"
-    _git(["clone", "-q", "--bare", str(snapshot), str(origin)], root)
-    shutil.rmtree(snapshot)
-    return origin
 
 
 def _worker_venv(path: Path) -> Path:
