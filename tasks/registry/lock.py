@@ -201,7 +201,7 @@ def promotion_lock(
         yield lease
     finally:
         lease._stop.set()
-        renewal.join()
+        renewal.join(lease_s)  # a renewal stuck on an unreachable store is left behind (a daemon)
         lost = lease._lost.is_set()
         _delete_ticket(client, name, lease.ticket)
         if lost:
