@@ -97,6 +97,40 @@ class ConfigNote(UserWarning):
     """A value the preset gave was adapted to what the user gave (the command line prints these)."""
 
 
+def _init_checkpoint_alias(values: dict[str, Any]) -> dict[str, Any]:
+    """`init_checkpoint` (the former name) is read as `init_from`, with a note."""
+    if "init_checkpoint" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("init_checkpoint")
+    if old is None:
+        return values
+    if values.get("init_from") is not None:
+        raise ValueError(
+            f"init_checkpoint={old!r} and init_from={values['init_from']!r} both name the starting weights: "
+            "give init_from only (init_checkpoint is its former name)"
+        )
+    warnings.warn(
+        f"init_checkpoint is now called init_from: using init_from={old!r}", ConfigNote, stacklevel=3
+    )
+    values["init_from"] = old
+    return values
+
+
+def _check_init_from(source: str) -> None:
+    """Cheap syntax checks before any task runs (the store and the files are checked when resolving)."""
+    from tasks.init_from.hf_source import looks_like_hub_id
+
+    if source.startswith(("models:/", "runs:/")) or Path(source).expanduser().exists():
+        return
+    if not looks_like_hub_id(source):
+        raise ValueError(
+            f"init_from={source!r} does not exist: give an existing checkpoint directory, .safetensors file or "
+            "Hugging Face directory, models:/NAME@ALIAS, models:/NAME/VERSION, models:/m-ID, runs:/RUN_ID, or a "
+            "hub id ORG/NAME"
+        )
+
+
 class PretrainConfig(TrainSettings):
     """Everything a pretraining run needs: the training options of `TrainSettings` and those of the other
     stages. `preset` fills defaults; explicit values win.
@@ -124,16 +158,39 @@ class PretrainConfig(TrainSettings):
         0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation"
     )
     text_field: str = Field("text", description="Text field of JSON/JSONL/Parquet/HF records")
-    tokenizer: str | None = Field(None, description="Existing tokenizer.json to use instead of training one")
-    vocab_size: int = Field(8192, ge=260, le=1 << 20, description="BPE vocabulary size (also the model's)")
+    tokenizer: str | None = Field(
+        None,
+        description="Existing tokenizer.json to use instead of training one (with init_from: one that "
+        "extends the parent's, see resize_embeddings)",
+    )
+    vocab_size: int = Field(
+        8192,
+        ge=260,
+        le=1 << 20,
+        description="BPE vocabulary size (also the model's); with init_from, the parent's",
+    )
     seq_len: int = Field(256, ge=2, description="Tokens per training sequence")
     # model
-    model: str = Field("demo", description="Model preset: tiny, demo, small, 125m, 350m, 1b, 7b")
-    model_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="LlamaConfig fields to override"
+    model: str = Field(
+        "demo",
+        description="Model preset: tiny, demo, small, 125m, 350m, 1b, 7b; with init_from, the parent's",
     )
-    init_checkpoint: str | None = Field(
-        None, description="Checkpoint directory or model.safetensors to start from"
+    model_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="LlamaConfig fields to override (with init_from: applied to the parent's architecture)",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start a NEW run from these weights, with their tokenizer and architecture: "
+        "models:/NAME@ALIAS or models:/NAME/VERSION (resolved once, at the start), models:/m-ID, "
+        "runs:/RUN_ID[/NAME], a checkpoint directory or .safetensors file, a Hugging Face Llama directory, "
+        "or a hub id (ORG/NAME, from the local HF cache). New optimizer, schedule and data position; "
+        "resuming a checkpoint_dir continues a run instead",
+    )
+    resize_embeddings: bool = Field(
+        False,
+        description="With init_from and a `tokenizer` that adds tokens to the parent's: grow the embedding "
+        "to the tokenizer's size, new rows the mean of the old (otherwise a larger tokenizer is an error)",
     )
     # checkpoints
     checkpoint_dir: str | None = Field(
@@ -172,11 +229,26 @@ class PretrainConfig(TrainSettings):
     def _fill_from_preset(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
+        values = _init_checkpoint_alias(values)
         preset = values.get("preset", "demo")
         if preset not in RUN_PRESETS:
             raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}")
         merged = {**RUN_PRESETS[preset], **values}
-        if isinstance(values.get("model_overrides"), dict):  # added to the preset's (demo sets qk_norm there)
+        if values.get("init_from") is not None:
+            # The architecture and vocabulary are the parent's: the preset's do not apply.
+            given = [name for name in ("model", "vocab_size") if name in values]
+            if given:
+                raise ValueError(
+                    f"init_from takes the architecture and vocabulary from {values['init_from']!r}, so "
+                    f"{' and '.join(given)} cannot be set with it: drop {', '.join(given)} (added tokens: "
+                    "tokenizer + resize_embeddings; other architecture changes: model_overrides)"
+                )
+            for name in ("model", "vocab_size", "model_overrides"):
+                if name not in values:
+                    merged.pop(name, None)
+        elif isinstance(
+            values.get("model_overrides"), dict
+        ):  # added to the preset's (demo sets qk_norm there)
             merged["model_overrides"] = {
                 **RUN_PRESETS[preset].get("model_overrides", {}),
                 **values["model_overrides"],
@@ -203,16 +275,23 @@ class PretrainConfig(TrainSettings):
     def _check_consistency(self) -> PretrainConfig:
         from model import get_preset
 
-        try:
-            model_cfg = get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"model={self.model!r} with overrides {self.model_overrides}: {err}") from err
-        if self.seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"seq_len={self.seq_len} is larger than the model's max_position_embeddings="
-                f"{model_cfg.max_position_embeddings}: lower seq_len, or raise it with "
-                f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
-            )
+        if self.init_from is not None:
+            _check_init_from(self.init_from)  # the architecture is checked once the parent is resolved
+        else:
+            if self.resize_embeddings:
+                raise ValueError("resize_embeddings grows a parent's embedding: it needs init_from")
+            try:
+                model_cfg = get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(
+                    f"model={self.model!r} with overrides {self.model_overrides}: {err}"
+                ) from err
+            if self.seq_len > model_cfg.max_position_embeddings:
+                raise ValueError(
+                    f"seq_len={self.seq_len} is larger than the model's max_position_embeddings="
+                    f"{model_cfg.max_position_embeddings}: lower seq_len, or raise it with "
+                    f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
+                )
         for source in (self.data, self.val_data):
             if source in (None, "stdlib") or source.startswith("hf:"):
                 continue
@@ -227,10 +306,10 @@ class PretrainConfig(TrainSettings):
                     f"data path {source!r} does not exist: give an existing file, directory or glob, "
                     "'hf:NAME' for a Hugging Face dataset, or leave data unset for the stdlib corpus"
                 )
-        for name in ("tokenizer", "init_checkpoint"):
-            value = getattr(self, name)
-            if value is not None and not Path(value).expanduser().exists():
-                raise ValueError(f"{name}={value!r} does not exist: give an existing path, or leave it unset")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
+            raise ValueError(
+                f"tokenizer={self.tokenizer!r} does not exist: give an existing path, or leave it unset"
+            )
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be smaller than max_steps={self.max_steps}: lower "
@@ -238,11 +317,17 @@ class PretrainConfig(TrainSettings):
             )
         return self
 
-    def llama_config(self) -> LlamaConfig:
-        """The architecture this run trains."""
-        from model import get_preset
+    def llama_config(self, parent: LlamaConfig | None = None, vocab_size: int | None = None) -> LlamaConfig:
+        """The architecture this run trains: the preset's, or with init_from the parent's (`parent`, with
+        model_overrides applied and `vocab_size` rows when the embedding grows for added tokens)."""
+        from model import LlamaConfig, get_preset
 
-        return get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
+        if self.init_from is None:
+            return get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
+        if parent is None:
+            raise ValueError("with init_from, the architecture is the parent's: pass its config")
+        changes = {**self.model_overrides, **({"vocab_size": vocab_size} if vocab_size else {})}
+        return LlamaConfig.from_dict({**parent.to_dict(), **changes})
 
     def train_settings(self) -> TrainSettings:
         """The training options alone: the object the train task, a train deployment and the engine take."""

@@ -9,9 +9,12 @@ is dropped, or with `keep_remainder=True` right-padded with PAD into a last bloc
 least 2 tokens, i.e. one target). `train_tokens` / `val_tokens` count the targets the loss sees:
 non-PAD tokens in `row[1:]`, i.e. `seq_len` per full block (the stats also hold the stream lengths).
 
-Tokenization runs through `datasets.map(batched=True, num_proc=...)`; each batch becomes one row of
-concatenated ids, written straight to disk, so neither the corpus nor its tokens are held in memory
-(`streaming=True` also avoids the Arrow copy of the corpus in the datasets cache).
+Local files are tokenized once per file content (`tasks.data.tokens`: a corpus that grew re-tokenizes only
+its new files) and packing concatenates the cached streams in corpus order; the dataset's fingerprint is
+still its content's (corpus, tokenizer, layout). In a flow, the files still to tokenize are mapped as
+`tokenize_shard_task` runs over the shards `plan_tokenization` returns (on the flow's task runner: threads,
+Dask, Ray); `build_dataset` alone tokenizes whatever is missing in `num_proc` threads. Hugging Face datasets
+(`hf:NAME`) go through `datasets.map` (`tasks.data.hf_tokens`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +35,18 @@ from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.common import data_logger
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
-from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta, write_split
+from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
+from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
+from tasks.data.tokens import (
+    PartSpec,
+    TokenShard,
+    pack_parts,
+    part_key,
+    plan_shards,
+    tokenize_part,
+    tokenize_shard,
+)
 from tasks.refs import DatasetRef, TokenizerRef
-
-MAP_BATCH_SIZE = 64  # documents per map batch: stdlib files average 16 kB
-_TOKENIZERS: dict[str, Any] = {}
 
 
 def datasets_dir() -> Path:
@@ -54,115 +64,6 @@ def dataset_fingerprint(
         f"keep_remainder={keep_remainder}",
         f"add_bos={add_bos}",
     )
-
-
-# ---------------------------------------------------------------------------------------- tokenizing
-
-
-def _encode_batch(
-    batch: dict[str, list[str]], tokenizer_path: str, bos_id: int | None, eos_id: int, dtype: str
-) -> dict[str, list[Any]]:
-    """One map batch → one row: the batch's documents' ids, each followed by EOS, concatenated."""
-    tokenizer = _TOKENIZERS.get(tokenizer_path)
-    if tokenizer is None:  # loaded once per worker process
-        from tokenizers import Tokenizer
-
-        tokenizer = _TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
-    texts = [text for text in batch["text"] if text]
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False):
-        if bos_id is not None:
-            ids.append(bos_id)
-        ids.extend(encoding.ids)
-        ids.append(eos_id)
-    return {
-        "ids": [np.asarray(ids, dtype=dtype)],
-        "documents": [len(texts)],
-        "bytes": [sum(len(text.encode("utf-8")) for text in texts)],
-    }
-
-
-def _token_chunks(
-    split: CorpusSplit,
-    tokenizer: TokenizerRef,
-    *,
-    add_bos: bool,
-    dtype: np.dtype,
-    num_proc: int,
-    streaming: bool,
-    counts: dict[str, int],
-) -> Iterator[np.ndarray]:
-    """Token arrays of a split, in corpus order; fills `counts` with documents and bytes."""
-    from datasets import Features, List, Value
-
-    features = Features(
-        {"ids": List(Value(dtype.name)), "documents": Value("int64"), "bytes": Value("int64")}
-    )
-    fn_kwargs = {
-        "tokenizer_path": tokenizer.path,
-        "bos_id": tokenizer.bos_id if add_bos else None,
-        "eos_id": tokenizer.eos_id,
-        "dtype": dtype.name,
-    }
-    docs = split.dataset(streaming=streaming)
-    common = {
-        "batched": True,
-        "batch_size": MAP_BATCH_SIZE,
-        "remove_columns": ["text"],
-        "features": features,
-        "fn_kwargs": fn_kwargs,
-    }
-    if streaming:
-        mapped = docs.map(_encode_batch, **common)
-    else:
-        # More processes than map batches would only add start-up time.
-        workers = min(num_proc, -(-len(docs) // MAP_BATCH_SIZE))
-        mapped = docs.map(
-            _encode_batch,
-            num_proc=workers if workers > 1 else None,
-            desc=f"tokenize {split.name}",
-            new_fingerprint=blake(split.fingerprint, tokenizer.fingerprint, str(add_bos), dtype.name),
-            **common,
-        )
-    for table in mapped.with_format("arrow").iter(batch_size=16):
-        counts["documents"] += sum(table.column("documents").to_pylist())
-        counts["bytes"] += sum(table.column("bytes").to_pylist())
-        for piece in table.column("ids").chunks:
-            flat = piece.flatten().to_numpy(zero_copy_only=False)
-            if flat.size:
-                yield flat
-
-
-def _write_tokens(chunks: Iterator[np.ndarray], path: Path) -> int:
-    """Append the token stream to a raw file; returns its length in tokens."""
-    total = 0
-    with open(path, "wb") as handle:
-        for chunk in chunks:
-            handle.write(chunk.tobytes())
-            total += chunk.size
-    return total
-
-
-def _pack(
-    raw_path: Path,
-    npy_path: Path,
-    n_tokens: int,
-    *,
-    seq_len: int,
-    keep_remainder: bool,
-    pad_id: int,
-    dtype: np.dtype,
-) -> tuple[int, int]:
-    """Cut the raw stream into (n_blocks, seq_len + 1) rows of an .npy; returns (blocks, stream tokens kept)."""
-    width = seq_len + 1
-    full, remainder = divmod(n_tokens, width)
-    keep_tail = keep_remainder and remainder >= 2
-    blocks = full + int(keep_tail)
-    kept = full * width + (remainder if keep_tail else 0)
-    stream = np.memmap(raw_path, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.zeros(0, dtype)
-    write_split(npy_path, stream[:kept], n_blocks=blocks, seq_len=seq_len, pad_id=pad_id)
-    del stream
-    return blocks, kept
 
 
 def _too_few_tokens(split: str, tokens: int, seq_len: int, *, estimated: bool) -> DataError:
@@ -274,6 +175,70 @@ def build_dataset(
     return ref
 
 
+def _parts(split: CorpusSplit) -> list[PartSpec]:
+    return [PartSpec.of(part, split.text_field) for part in split.parts]
+
+
+def _tokenize_split(
+    staging: Path,
+    split: CorpusSplit,
+    short: str,
+    corpus: Corpus,
+    tokenizer: TokenizerRef,
+    seq_len: int,
+    *,
+    keep_remainder: bool,
+    add_bos: bool,
+    dtype: np.dtype,
+    num_proc: int,
+) -> tuple[int, int, int, dict[str, int]]:
+    """Write `<short>.npy`; returns (blocks, stream tokens, kept tokens, {"documents", "bytes"})."""
+    if split.hf is not None:
+        counts = {"documents": 0, "bytes": 0}
+        raw = staging / f"{short}.tokens.bin"
+        chunks = token_chunks(
+            split,
+            tokenizer,
+            add_bos=add_bos,
+            dtype=dtype,
+            num_proc=num_proc,
+            streaming=corpus.spec.streaming,
+            counts=counts,
+        )
+        n_tokens = write_tokens(chunks, raw)
+        if n_tokens < seq_len + 1:
+            raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
+        blocks, kept = pack_stream(
+            raw,
+            staging / f"{short}.npy",
+            n_tokens,
+            seq_len=seq_len,
+            keep_remainder=keep_remainder,
+            pad_id=tokenizer.pad_id,
+            dtype=dtype,
+        )
+        raw.unlink()
+        return blocks, n_tokens, kept, counts
+    parts = _parts(split)
+    # Whatever a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads.
+    with ThreadPoolExecutor(max_workers=num_proc) as pool:
+        done = list(pool.map(lambda part: tokenize_part(part, tokenizer, add_bos, dtype.name), parts))
+    n_tokens = sum(c["tokens"] for c in done)
+    if n_tokens < seq_len + 1:
+        raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
+    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
+    blocks, n_tokens, kept = pack_parts(
+        keys,
+        staging / f"{short}.npy",
+        seq_len=seq_len,
+        keep_remainder=keep_remainder,
+        pad_id=tokenizer.pad_id,
+        dtype=dtype,
+    )
+    counts = {"documents": sum(c["documents"] for c in done), "bytes": sum(c["bytes"] for c in done)}
+    return blocks, n_tokens, kept, counts
+
+
 def _build_into(
     staging: Path,
     corpus: Corpus,
@@ -302,30 +267,18 @@ def _build_into(
     }
     # Validation first: it is small, and a too-small val split should fail before the long train pass.
     for split, short in ((corpus.val, "val"), (corpus.train, "train")):
-        counts = {"documents": 0, "bytes": 0}
-        raw = staging / f"{short}.tokens.bin"
-        chunks = _token_chunks(
+        blocks, n_tokens, kept, counts = _tokenize_split(
+            staging,
             split,
+            short,
+            corpus,
             tokenizer,
+            seq_len,
+            keep_remainder=keep_remainder,
             add_bos=add_bos,
             dtype=dtype,
             num_proc=num_proc,
-            streaming=corpus.spec.streaming,
-            counts=counts,
         )
-        n_tokens = _write_tokens(chunks, raw)
-        if n_tokens < seq_len + 1:
-            raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
-        blocks, kept = _pack(
-            raw,
-            staging / f"{short}.npy",
-            n_tokens,
-            seq_len=seq_len,
-            keep_remainder=keep_remainder,
-            pad_id=tokenizer.pad_id,
-            dtype=dtype,
-        )
-        raw.unlink()
         meta[f"{short}_blocks"], meta[f"{short}_tokens"] = blocks, kept - blocks  # row[0] is never a target
         stats.update(
             {
@@ -342,6 +295,40 @@ def _build_into(
     stats["bytes_per_token"] = round((stats["train_bytes"] + stats["val_bytes"]) / stream, 4)
     meta["stats"] = stats
     return meta
+
+
+def plan_tokenization(
+    data: str | DataSpec | None,
+    tokenizer: TokenizerRef,
+    seq_len: int,
+    *,
+    val_fraction: float | None = None,
+    val_data: str | None = None,
+    text_field: str | None = None,
+    keep_remainder: bool = False,
+    add_bos: bool = False,
+    shard_bytes: int | None = None,
+) -> list[TokenShard]:
+    """The shards of files whose tokens are not cached yet (none when the packed dataset exists, or for a
+    Hugging Face dataset, which `build_dataset` tokenizes itself): map `tokenize_shard_task` over them."""
+    corpus = resolve_corpus(data, val_fraction=val_fraction, val_data=val_data, text_field=text_field)
+    fingerprint = dataset_fingerprint(corpus, tokenizer, seq_len, keep_remainder, add_bos)
+    if is_complete(datasets_dir() / fingerprint):
+        return []
+    parts = [part for split in (corpus.val, corpus.train) if split.hf is None for part in _parts(split)]
+    dtype = token_dtype(tokenizer.vocab_size).name
+    shards = plan_shards(
+        parts,
+        tokenizer,
+        add_bos=add_bos,
+        dtype=dtype,
+        **({"shard_bytes": shard_bytes} if shard_bytes else {}),
+    )
+    data_logger().info(
+        f"tokenizing {sum(len(s.parts) for s in shards)} of {len(parts)} files "
+        f"({sum(s.bytes for s in shards):,} bytes) in {len(shards)} shards; the rest are cached"
+    )
+    return shards
 
 
 def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -371,3 +358,5 @@ build_dataset_task = task(
     persist_result=True,
     result_serializer="json",
 )
+plan_tokenization_task = task(plan_tokenization, name="plan_tokenization")
+tokenize_shard_task = task(tokenize_shard, name="tokenize_shard")

@@ -31,6 +31,10 @@ class TokenizerRef(_Ref):
     bos_id: int
     eos_id: int
     pad_id: int
+    sha256: str | None = Field(
+        None,
+        description="Of tokenizer.json's bytes: the same hash is the same tokenizer, however it was made",
+    )
 
 
 class DatasetRef(_Ref):
@@ -45,12 +49,45 @@ class DatasetRef(_Ref):
     stats: dict[str, float | int | str] = Field(default_factory=dict)
 
 
+class ParentRef(_Ref):
+    """The model a run starts from (`init_from`), resolved once at the start of the flow: an alias is pinned
+    to a version and its model id here, and every later stage and node uses this, never the alias again."""
+
+    source: str = Field(description="init_from as given (models:/NAME@ALIAS, a path, a hub id, ...)")
+    kind: Literal["local", "registry", "logged_model", "hf"]
+    pinned: str = Field(
+        description="What it resolved to: models:/NAME/VERSION, models:/m-ID, hf:ORG/NAME@COMMIT, local:FILE"
+    )
+    path: HomePath = Field(description="Directory holding config.json and model.safetensors (our layout)")
+    weights_sha256: str
+    tokenizer_path: HomePath | None = Field(None, description="The tokenizer.json that came with the weights")
+    special_tokens: dict[str, str] = Field(
+        default_factory=dict, description="bos/eos/pad token names the source declares (HF tokenizer_config)"
+    )
+    name: str | None = Field(None, description="Registered model name, when the parent is a registry version")
+    version: str | None = None
+    model_id: str | None = Field(None, description="MLflow logged model id of the parent")
+    run_id: str | None = Field(None, description="MLflow run that trained the parent")
+    tokens_seen_total: int = Field(
+        0, description="Tokens the chain up to and including the parent trained on"
+    )
+    lineage: tuple[str, ...] = Field(
+        (), description="Registered ancestors NAME/VERSION, oldest first, parent last"
+    )
+    depth: int = Field(1, description="Generations from the root of the chain: the parent's own depth")
+    root: str = Field(description="Where the chain began: scratch, or an HF checkpoint (hf:ORG/NAME@COMMIT)")
+    optimizer_state: HomePath | None = Field(
+        None, description="optimizer.pt of a local checkpoint (init_optimizer may load it)"
+    )
+
+
 class ModelRef(_Ref):
     path: HomePath = Field(
         description="Directory holding config.json and model.safetensors (initial weights)"
     )
     fingerprint: str
     n_params: int
+    parent: ParentRef | None = Field(None, description="Where the initial weights came from (init_from)")
 
 
 class CheckpointRef(_Ref):

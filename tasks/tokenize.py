@@ -11,6 +11,7 @@ and a missing BOS falls back to EOS.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ MAX_VOCAB_SIZE = 2**32 - 1
 _BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
 _EOS_NAMES = (EOS, "</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
 _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|padding|>")
+_UNK_NAMES = ("<unk>", "[UNK]", "<|unk|>")
 
 
 def tokenizers_dir() -> Path:
@@ -53,9 +55,17 @@ def tokenizer_fingerprint(train_fingerprint: str, vocab_size: int, min_frequency
     return blake(ALGORITHM_VERSION, train_fingerprint, str(vocab_size), str(min_frequency))
 
 
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def load_tokenizer_ref(directory: Path) -> TokenizerRef:
     meta = json.loads((directory / "meta.json").read_text())
-    return TokenizerRef(path=str(directory / "tokenizer.json"), **meta["ref"])
+    path = directory / "tokenizer.json"
+    ref = {"sha256": None, **meta["ref"]}
+    if ref["sha256"] is None:  # written before the hash was recorded
+        ref["sha256"] = file_sha256(path)
+    return TokenizerRef(path=str(path), **ref)
 
 
 def _write(
@@ -66,6 +76,7 @@ def _write(
         ref = {
             "fingerprint": fingerprint,
             "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+            "sha256": file_sha256(staged.path / "tokenizer.json"),
             **ids,
         }
         (staged.path / "meta.json").write_text(json.dumps({"ref": ref, "stats": stats}, indent=2))
@@ -149,8 +160,17 @@ def _find(vocab: dict[str, int], names: tuple[str, ...]) -> int | None:
     return next((vocab[name] for name in names if name in vocab), None)
 
 
-def import_tokenizer(path: str | Path) -> TokenizerRef:
-    """Validate an existing `tokenizer.json`, find its special tokens, and cache a copy."""
+def import_tokenizer(
+    path: str | Path, *, special_tokens: dict[str, str] | None = None, embedding_rows: int | None = None
+) -> TokenizerRef:
+    """Validate an existing `tokenizer.json`, find its special tokens, and cache a copy.
+
+    `special_tokens` names the bos/eos/pad tokens where the source declares them (a Hugging Face
+    checkpoint's tokenizer_config.json); otherwise they are found by their usual names. A tokenizer without
+    a pad token gets one added, unless that would give it more tokens than `embedding_rows` (the model it
+    comes with): then an existing special token that never occurs in text stands in (`<unk>`, else BOS
+    when it is not EOS), as padding is never a training target.
+    """
     source = Path(path).expanduser().resolve()
     if not source.is_file():
         raise DataError(f"Tokenizer file {source} does not exist; give the path of a tokenizer.json.")
@@ -163,24 +183,34 @@ def import_tokenizer(path: str | Path) -> TokenizerRef:
             "save one with tokenizers' Tokenizer.save()."
         ) from err
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    eos_id = _find(vocab, _EOS_NAMES)
+    declared = {role: vocab.get(name) for role, name in (special_tokens or {}).items() if name}
+    eos_id = declared.get("eos", _find(vocab, _EOS_NAMES))
     if eos_id is None:
         raise DataError(
             f"{source} has no end-of-text token (looked for {list(_EOS_NAMES)}); documents are "
             "joined with EOS, so add one with tokenizer.add_special_tokens()."
         )
-    pad_id = _find(vocab, _PAD_NAMES)
+    bos_id = declared.get("bos", _find(vocab, _BOS_NAMES))
+    pad_id = declared.get("pad", _find(vocab, _PAD_NAMES))
+    added_pad = False
     if pad_id is None:
-        tokenizer.add_special_tokens([PAD])
-        pad_id = tokenizer.token_to_id(PAD)
-    bos_id = _find(vocab, _BOS_NAMES)
+        full = embedding_rows is not None and len(vocab) >= embedding_rows
+        stand_in = _find(vocab, _UNK_NAMES) if full else None
+        if stand_in is None and full and bos_id is not None and bos_id != eos_id:
+            stand_in = bos_id
+        if stand_in is not None:
+            pad_id = stand_in
+        else:
+            tokenizer.add_special_tokens([PAD])
+            pad_id, added_pad = tokenizer.token_to_id(PAD), True
     ids = {"bos_id": eos_id if bos_id is None else bos_id, "eos_id": eos_id, "pad_id": pad_id}
-    fingerprint = blake(ALGORITHM_VERSION, "imported", raw)
+    fingerprint = blake(ALGORITHM_VERSION, "imported", raw, json.dumps(ids, sort_keys=True))
     directory = tokenizers_dir() / fingerprint
     if not is_complete(directory):
         with build_lock(directory):
             if not is_complete(directory):
-                _write(directory, tokenizer, fingerprint, ids, {"imported_from": str(source)})
+                stats = {"imported_from": str(source), "added_pad_token": added_pad}
+                _write(directory, tokenizer, fingerprint, ids, stats)
     return load_tokenizer_ref(directory)
 
 

@@ -1,0 +1,253 @@
+"""Token arrays cached per corpus file, by content: a corpus that grew by a few files tokenizes only those.
+
+Each part of a split (a whole file, or the lines/records of a single-file corpus that fall in the split) is
+tokenized once per (file content, selection, text field, tokenizer file, special ids, BOS choice, dtype)
+into `<home>/cache/tokens/<key[:2]>/<key>.bin` (the raw token stream: each document's ids followed by EOS,
+optionally preceded by BOS) with `<key>.json` beside it (counts; written last, so it marks a complete
+entry). Packing a dataset concatenates the entries of its parts in corpus order: the same stream as
+tokenizing the whole split at once, so the dataset's content and fingerprint do not depend on what was
+cached.
+
+Parts still to tokenize are grouped into shards of about `SHARD_BYTES` (`plan_shards`); the pipeline maps
+a Prefect task over them (`tasks.dataset.tokenize_shard_task`), so they run on whatever task runner the flow
+has: threads here, a Dask or Ray cluster with prefect-dask / prefect-ray (the workers must see the corpus
+files and LLAMAFLOW_HOME at the same paths: a shared file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from model.atomic import atomic_file, write_text_atomic
+from tasks import home
+from tasks.data.common import blake
+from tasks.data.files import RECORD_SUFFIXES, FilePart, SourceFile, part_texts
+from tasks.refs import TokenizerRef
+
+CACHE_VERSION = "part-tokens-v1"
+SHARD_BYTES = 1 << 20  # text per mapped task: ~0.3 s of tokenizing here, small against a task's overhead
+ENCODE_BATCH = 64  # documents per encode_batch_fast call
+_LOCAL = threading.local()
+
+
+class PartSpec(BaseModel):
+    """One part of a split, as it travels to a tokenizing task (plain values: any task runner ships it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    relpath: str
+    digest: str
+    size: int
+    select: tuple[str, float] | None = None
+    text_field: str = "text"
+
+    @classmethod
+    def of(cls, part: FilePart, text_field: str) -> PartSpec:
+        f = part.file
+        return cls(
+            path=f.path,
+            relpath=f.relpath,
+            digest=f.digest,
+            size=f.size,
+            select=part.select,
+            text_field=text_field,
+        )
+
+    def file_part(self) -> FilePart:
+        return FilePart(SourceFile(self.path, self.relpath, self.digest, self.size), self.select)
+
+
+class TokenShard(BaseModel):
+    """Parts tokenized by one task, and how."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    parts: tuple[PartSpec, ...]
+    tokenizer: TokenizerRef
+    add_bos: bool
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.size for p in self.parts)
+
+
+def tokens_dir() -> Path:
+    return home.cache_dir() / "tokens"
+
+
+def _tokenizer_identity(tokenizer: TokenizerRef) -> str:
+    sha = tokenizer.sha256
+    if sha is None:
+        import hashlib
+
+        sha = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
+    return f"{sha}:{tokenizer.bos_id}:{tokenizer.eos_id}"
+
+
+def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str) -> str:
+    """The cache key of a part's tokens: its content and everything that shapes its token stream."""
+    suffix = Path(part.path).suffix.lower()
+    # A selection inside a file (single-file corpora) depends on the file's relative path (records are
+    # split by a hash of it); a whole file depends on its bytes only, wherever it lies.
+    selection = "" if part.select is None else f"{part.relpath}:{part.select[0]}:{part.select[1]!r}"
+    field = part.text_field if suffix in RECORD_SUFFIXES else ""
+    return blake(
+        CACHE_VERSION,
+        part.digest,
+        suffix,
+        selection,
+        field,
+        _tokenizer_identity(tokenizer),
+        str(add_bos),
+        dtype,
+    )
+
+
+def _entry(key: str) -> tuple[Path, Path]:
+    base = tokens_dir() / key[:2] / key
+    return base.with_suffix(".bin"), base.with_suffix(".json")
+
+
+def cached_counts(key: str) -> dict[str, int] | None:
+    """The counts of a complete cache entry ({"tokens", "documents", "bytes"}), or None."""
+    _, meta = _entry(key)
+    try:
+        return json.loads(meta.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_tokens(key: str, dtype: np.dtype) -> np.ndarray:
+    """The cached token stream of a part (memory-mapped; empty for a part without text)."""
+    data, _ = _entry(key)
+    counts = cached_counts(key)
+    if counts is None:
+        raise FileNotFoundError(f"tokens of part {key} are not cached ({data}); tokenize the corpus again")
+    if counts["tokens"] == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(data, dtype=dtype, mode="r", shape=(counts["tokens"],))
+
+
+def _tokenizer(path: str) -> Any:
+    """One loaded tokenizer per thread and file (a Tokenizer is not shared across threads here)."""
+    loaded = getattr(_LOCAL, "tokenizers", None)
+    if loaded is None:
+        loaded = _LOCAL.tokenizers = {}
+    if path not in loaded:
+        from tokenizers import Tokenizer
+
+        loaded[path] = Tokenizer.from_file(path)
+    return loaded[path]
+
+
+def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        if text:
+            batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenize_part(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str) -> dict[str, int]:
+    """Tokenize one part into its cache entry (at once when it is there); returns its counts."""
+    key = part_key(part, tokenizer, add_bos, dtype)
+    if (counts := cached_counts(key)) is not None:
+        return counts
+    encoder = _tokenizer(tokenizer.path)
+    data, meta = _entry(key)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    counts = {"tokens": 0, "documents": 0, "bytes": 0}
+    with atomic_file(data) as tmp, open(tmp, "wb") as out:
+        for batch in _batches(part_texts(part.file_part(), part.text_field), ENCODE_BATCH):
+            ids: list[int] = []
+            for encoding in encoder.encode_batch_fast(batch, add_special_tokens=False):
+                if add_bos:
+                    ids.append(tokenizer.bos_id)
+                ids.extend(encoding.ids)
+                ids.append(tokenizer.eos_id)
+            out.write(np.asarray(ids, dtype=dtype).tobytes())
+            counts["tokens"] += len(ids)
+            counts["documents"] += len(batch)
+            counts["bytes"] += sum(len(text.encode("utf-8")) for text in batch)
+    write_text_atomic(meta, json.dumps(counts))  # last: the entry is complete
+    return counts
+
+
+def tokenize_shard(shard: TokenShard) -> dict[str, float]:
+    """Tokenize every part of a shard that is not cached yet; returns what it did."""
+    started = time.perf_counter()
+    totals = {"parts": 0, "tokens": 0, "documents": 0, "bytes": 0}
+    for part in shard.parts:
+        counts = tokenize_part(part, shard.tokenizer, shard.add_bos, shard.dtype)
+        totals["parts"] += 1
+        for name in ("tokens", "documents", "bytes"):
+            totals[name] += counts[name]
+    return {**totals, "seconds": round(time.perf_counter() - started, 3), "pid": os.getpid()}
+
+
+def plan_shards(
+    parts: Sequence[PartSpec],
+    tokenizer: TokenizerRef,
+    *,
+    add_bos: bool,
+    dtype: str,
+    shard_bytes: int = SHARD_BYTES,
+) -> list[TokenShard]:
+    """The parts whose tokens are not cached, grouped in corpus order into shards of about `shard_bytes`."""
+    shards: list[TokenShard] = []
+    group: list[PartSpec] = []
+    size = 0
+    for part in parts:
+        if cached_counts(part_key(part, tokenizer, add_bos, dtype)) is not None:
+            continue
+        group.append(part)
+        size += part.size
+        if size >= shard_bytes:
+            shards.append(TokenShard(parts=tuple(group), tokenizer=tokenizer, add_bos=add_bos, dtype=dtype))
+            group, size = [], 0
+    if group:
+        shards.append(TokenShard(parts=tuple(group), tokenizer=tokenizer, add_bos=add_bos, dtype=dtype))
+    return shards
+
+
+def pack_parts(
+    keys: Sequence[str], npy_path: Path, *, seq_len: int, keep_remainder: bool, pad_id: int, dtype: np.dtype
+) -> tuple[int, int, int]:
+    """Write the concatenated cached streams of `keys` as (n_blocks, seq_len + 1) rows of an .npy, one copy;
+    returns (blocks, stream tokens, stream tokens kept). The tail shorter than a block is dropped, or with
+    `keep_remainder` right-padded with `pad_id` into a last block when it holds at least 2 tokens."""
+    lengths = [cached_counts(k)["tokens"] for k in keys]  # type: ignore[index]
+    n_tokens = sum(lengths)
+    width = seq_len + 1
+    full, remainder = divmod(n_tokens, width)
+    keep_tail = keep_remainder and remainder >= 2
+    blocks = full + int(keep_tail)
+    kept = full * width + (remainder if keep_tail else 0)
+    out = np.lib.format.open_memmap(npy_path, mode="w+", dtype=dtype, shape=(blocks, width))
+    flat = out.reshape(-1)
+    offset = 0
+    for key, length in zip(keys, lengths, strict=True):
+        take = min(length, kept - offset)
+        if take <= 0:
+            break
+        flat[offset : offset + take] = read_tokens(key, dtype)[:take]
+        offset += take
+    flat[offset:] = pad_id
+    out.flush()
+    del out
+    return blocks, n_tokens, kept
