@@ -25,16 +25,16 @@ from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel, Field, ValidationError
 
 from flows.config import ConfigNote, PretrainConfig
+from flows.data import build_data, keep_tokenizer, tokenizer_for
 from flows.placement import check_placement, train_where_placed
 from flows.remote_train import FLOW_TIMEOUT_S
 from tasks.build import build_model_task
-from tasks.dataset import build_dataset_task
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
-from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel, TokenizerRef
+from tasks.init_from import resolve_for_run_task
+from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ParentRef, RegisteredModel, TokenizerRef
 from tasks.register import register_task
-from tasks.scoring import check_byte_level
-from tasks.tokenize import train_tokenizer_task
+from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
 
@@ -49,6 +49,7 @@ class PretrainResult(BaseModel):
     dataset: DatasetRef
     metrics: dict[str, float]
     tracking_uri: str = Field(description="The MLflow store, credentials redacted")
+    parent: ParentRef | None = Field(None, description="The model this run started from (init_from)")
 
 
 def _run_identity(config: PretrainConfig) -> tuple[str, str]:
@@ -91,26 +92,17 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
     run_dir = config.checkpoint_dir or str(runs_dir() / run_key)
 
-    tokenizer = train_tokenizer_task(
-        config.data,
-        config.vocab_size,
-        val_fraction=config.val_fraction,
-        val_data=config.val_data,
-        text_field=config.text_field,
-        tokenizer_path=config.tokenizer,
+    # The parent (init_from), resolved once, here: an alias is pinned to its version for every later stage
+    # and node; a retry or a resumed rerun of this run directory keeps what its start resolved.
+    parent = resolve_for_run_task(config.init_from, run_dir)
+    tokenizer, model_config = tokenizer_for(config, parent)  # both checked before any data work
+    dataset = build_data(config, tokenizer)
+    model = build_model_task(model_config, seed=config.seed, parent=parent)
+    keep_tokenizer(run_dir, tokenizer)
+    start = f"from {parent.pinned}" if parent else "from scratch"
+    log.info(
+        f"model: {model.n_params / 1e6:.2f}M parameters {start}; data: {dataset.train_tokens:,} training tokens"
     )
-    check_byte_level(tokenizer)  # bits per byte counts the tokens' bytes: refuse before any training
-    dataset = build_dataset_task(
-        config.data,
-        tokenizer,
-        config.seq_len,
-        val_fraction=config.val_fraction,
-        val_data=config.val_data,
-        text_field=config.text_field,
-        seed=config.seed,
-    )
-    model = build_model_task(config.llama_config(), seed=config.seed, init_checkpoint=config.init_checkpoint)
-    log.info(f"model: {model.n_params / 1e6:.2f}M parameters; data: {dataset.train_tokens:,} training tokens")
 
     # One flow run, one MLflow run: a retry finds its run by the flow-run tag, a rerun that resumes a
     # checkpoint directory continues the run recorded there.
@@ -120,8 +112,10 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         log.info(f"continuing MLflow run {run_id} ({opened.continued})")
     report.link_mlflow_run(run_id, uri)
     try:
-        store.log_params(run_id, {**config.model_dump(), "model_config": config.llama_config()}, uri)
+        store.log_params(run_id, {**config.model_dump(), "model_config": model_config}, uri)
         store.log_datasets(run_id, dataset, uri)
+        if parent is not None:
+            lineage.log_parent(run_id, parent, uri)  # the parent's logged model as a run input
         checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
         evaluation = evaluate_task(
             checkpoint,
@@ -149,6 +143,12 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
             alias=config.alias,
             promotion=config.promotion,
             eval_device=config.device,
+            lineage_tags=lineage.version_tags(
+                parent,
+                tokens_seen=checkpoint.tokens_seen,
+                tokenizer=tokenizer,
+                parent_bits_per_byte=evaluation.initial_bits_per_byte if parent else None,
+            ),
         )
     except BaseException as err:
         stopped = isinstance(err, KeyboardInterrupt | TrainingInterrupted | TerminationSignal)
@@ -173,6 +173,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         dataset=dataset,
         metrics=metrics,
         tracking_uri=store.redact_uri(uri),
+        parent=parent,
     )
     report.publish_summary(result.model_dump(mode="json"))
     print_summary(result)
@@ -199,6 +200,26 @@ def summary_lines(
     return [first, f"validation loss: {loss}"]
 
 
+def lineage_lines(result: PretrainResult) -> list[str]:
+    """Where the run started, and whether it improved on its parent and on the champion (both scored on
+    this run's validation text)."""
+    parent, reg, ours = result.parent, result.registered, result.evaluation.bits_per_byte
+    if parent is None:
+        return []
+    lines = [f"started from: {parent.pinned} (init_from={parent.source!r}), lineage depth {parent.depth + 1}"]
+    before = result.evaluation.initial_bits_per_byte
+    if before is not None:
+        verdict = "improved on" if ours < before else "did NOT improve on"
+        lines.append(f"vs parent:   {verdict} its parent: {before:.3f} → {ours:.3f} bits per byte")
+    if reg.champion_bits_per_byte is not None:
+        verdict = "better than" if ours < reg.champion_bits_per_byte else "NOT better than"
+        lines.append(
+            f"vs champion: {verdict} the champion (version {reg.champion_version}): "
+            f"{reg.champion_bits_per_byte:.3f} vs {ours:.3f} bits per byte"
+        )
+    return lines
+
+
 def print_summary(result: PretrainResult) -> None:
     ev = result.evaluation
     lines = ["", "=" * 72]
@@ -222,6 +243,7 @@ def print_summary(result: PretrainResult) -> None:
         f", champion had {reg.champion_bits_per_byte:.3f} bits per byte" if reg.champion_bits_per_byte else ""
     )
     lines.append(f"registered: {result.model_uri}  ({verdict} @{reg.alias}{versus})")
+    lines += lineage_lines(result)
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
     lines.append(f"look next: {store.run_link(result.run_id)}")
@@ -272,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", type=Path, help="YAML file of PretrainConfig fields (flags override it)")
+    parser.add_argument("--init-checkpoint", help=argparse.SUPPRESS)  # the former name of --init-from
     for name, field in PretrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind, is_bool = _cli_type(field.annotation)
@@ -318,9 +341,17 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from flows.placement import PlacementError
     from flows.remote_train import SharedStorageError
     from tasks.data.common import DataError
+    from tasks.init_from import InitFromError
     from tasks.training import TrainingInputError
 
-    return (DataError, FileNotFoundError, PlacementError, SharedStorageError, TrainingInputError)
+    return (
+        DataError,
+        FileNotFoundError,
+        InitFromError,
+        PlacementError,
+        SharedStorageError,
+        TrainingInputError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,10 +210,12 @@ def register_model(
     promotion: Promotion = "if_better",
     tracking_uri: str | None = None,
     eval_device: str = "auto",
+    lineage_tags: dict[str, str] | None = None,
 ) -> RegisteredModel:
     """Register the checkpoint as a new version of `model_name` (once per run); move `alias` to it only if
     its bits per byte on the validation text is lower than the champion's (`promotion` widens that). A
-    champion scored on another text is re-scored here, on `eval_device`."""
+    champion scored on another text is re-scored here, on `eval_device`. `lineage_tags`
+    (`tasks.registry.lineage.version_tags`) are written with the version."""
     _check_inputs(checkpoint, tokenizer, dataset, eval_result)
     uri = store.check_tracking_store(tracking_uri)
     client = store.get_client(uri)
@@ -226,7 +228,7 @@ def register_model(
             checkpoint=checkpoint,
             tokenizer=tokenizer,
             model_name=model_name,
-            tags=_score_tags(eval_result, dataset, tokenizer, run_id),
+            tags={**_score_tags(eval_result, dataset, tokenizer, run_id), **(lineage_tags or {})},
             via_server=uri.startswith(("http://", "https://")),
         )
     if TAG_PROMOTED not in version.tags:  # no decision yet (a retry after a crash in it redoes it)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prefect import task
+
 from model.atomic import write_text_atomic
 from tasks.data.common import data_logger
 from tasks.init_from.hf_source import is_hf_dir, looks_like_hub_id, resolve_hf, resolve_hub_id
@@ -32,7 +34,7 @@ from tasks.refs import ParentRef
 from tasks.tracking import store
 from tasks.training import checkpoint as ckpt
 
-__all__ = ["RECORD_FILE", "InitFromError", "resolve_for_run", "resolve_init_from"]
+__all__ = ["RECORD_FILE", "InitFromError", "resolve_for_run", "resolve_for_run_task", "resolve_init_from"]
 
 RECORD_FILE = "init_from.json"
 
@@ -107,3 +109,6 @@ def resolve_for_run(
     write_text_atomic(run_dir / RECORD_FILE, parent.model_dump_json(indent=2))
     data_logger().info(f"init_from={source!r} resolved to {parent.pinned}; this run loads that")
     return parent
+
+
+resolve_for_run_task = task(resolve_for_run, name="resolve_init_from")

@@ -70,8 +70,9 @@ def snapshot(repo: str, revision: str | None) -> Path:
 
         if constants.HF_HUB_OFFLINE:
             raise InitFromError(
-                f"init_from={repo!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                f"HF_HUB_OFFLINE is set. Download it once where there is network: "
+                f"init_from={repo!r}: not (completely) in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set ({err}). Download it once where there is "
+                "network: "
                 f"`hf download {repo} --include {' '.join(repr(p) for p in HUB_FILES)}` (same HF_HOME), or "
                 "give the checkpoint's directory"
             ) from err

@@ -153,7 +153,7 @@ def resolve_registry(source: str, uri: str) -> ParentRef:
         slot=slot,
         meta=meta,
         version=version,
-        model_id=version.model_id,
+        model_id=lineage.logged_model_id(client, version),
         run_id=version.run_id,
     )
 
@@ -165,7 +165,7 @@ def _registered_version_of(client: MlflowClient, logged: LoggedModel) -> ModelVe
     found = [
         v
         for v in client.search_model_versions(f"run_id = '{logged.source_run_id}'")
-        if v.model_id == logged.model_id
+        if lineage.made_from(v, logged.model_id, logged.artifact_location)
     ]
     return max(found, key=lambda v: int(v.version)) if found else None
 

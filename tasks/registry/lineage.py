@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from mlflow.entities import LoggedModelInput, RunTag
 from mlflow.entities.model_registry import ModelVersion
+from mlflow.tracking import MlflowClient
 
 from tasks.refs import ParentRef, TokenizerRef
 from tasks.tracking import store
@@ -70,6 +71,30 @@ def parent_chain(tags: dict[str, str], version: ModelVersion | None) -> Chain:
         tokens_seen_total=int(tags.get(TAG_TOKENS_SEEN_TOTAL, 0)),
         root=tags.get(TAG_ROOT, "unknown" if version is not None else SCRATCH),
     )
+
+
+def made_from(version: ModelVersion, model_id: str, artifact_location: str) -> bool:
+    """Whether `version` was registered from logged model `model_id` (a database registry keeps no model
+    id for a version registered from the model's artifact location: the location tells then)."""
+    sources = (f"models:/{model_id}", artifact_location.rstrip("/"))
+    return version.model_id == model_id or version.source.rstrip("/") in sources
+
+
+def logged_model_id(client: MlflowClient, version: ModelVersion) -> str | None:
+    """The id of the logged model a registry version was made from, if any."""
+    if version.model_id:
+        return version.model_id
+    if version.source.startswith("models:/m-"):
+        return version.source.removeprefix("models:/")
+    if not version.run_id:
+        return None
+    experiment_id = client.get_run(version.run_id).info.experiment_id
+    for logged in client.search_logged_models(
+        [experiment_id], filter_string=f"source_run_id = '{version.run_id}'"
+    ):
+        if made_from(version, logged.model_id, logged.artifact_location):
+            return logged.model_id
+    return None
 
 
 def parent_tags(parent: ParentRef) -> dict[str, str]:
