@@ -50,7 +50,7 @@ def tokenizer_for(config: PretrainConfig, parent: ParentRef | None) -> tuple[Tok
         tokenizer = import_tokenizer(
             path,
             special_tokens=parent.special_tokens if own else None,
-            embedding_rows=None if config.resize_embeddings else base.vocab_size,
+            embedding_rows=base.vocab_size,  # a pad token is added only into a spare row
         )
         if not own:
             check_extends(tokenizer, parent)

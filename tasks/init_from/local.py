@@ -14,11 +14,10 @@ from typing import Any
 
 from model.weights import CONFIG_FILE, WEIGHTS_FILE, read_metadata
 from tasks.data.common import data_logger
-from tasks.init_from.store import InitFromError, link_or_copy, materialize, tokenizer_in
+from tasks.init_from.store import InitFromError, link_or_copy, materialize, tokenizer_in, weights_sha256
 from tasks.refs import ParentRef
 from tasks.tracking.runs import read_run_record
 from tasks.training import checkpoint as ckpt
-from tasks.training.checkpoint import sha256_file
 
 
 def describe_run_dir(run_dir: Path) -> str | None:
@@ -87,23 +86,23 @@ def resolve_local(source: str, path: Path) -> ParentRef:
     # The tokenizer travels beside the weights, or in the run directory of a training checkpoint.
     tokenizer = tokenizer_in(directory) or tokenizer_in(directory.parent)
     optimizer = directory / ckpt.OPTIMIZER_FILE
-    weights_sha256 = sha256_file(weights)
+    digest = weights_sha256(weights)
 
     def write(staging: Path) -> dict[str, Any]:
         link_or_copy(weights, staging / WEIGHTS_FILE)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         return {"source": str(path)}
 
-    slot, _ = materialize(f"local-{weights_sha256[:32]}", write)
+    slot, _ = materialize(f"local-{digest[:32]}", write)
     return ParentRef(
         source=source,
         kind="local",
-        pinned=f"local:{weights.name}@sha256:{weights_sha256[:16]}",
+        pinned=f"local:{weights.name}@sha256:{digest[:16]}",
         path=str(slot),
-        weights_sha256=weights_sha256,
+        weights_sha256=digest,
         tokenizer_path=None if tokenizer is None else str(tokenizer),
         run_id=read_run_record(directory.parent),
         tokens_seen_total=facts.get("tokens_seen", 0),
-        root=f"local:sha256:{weights_sha256[:16]}",
+        root=f"local:sha256:{digest[:16]}",
         optimizer_state=str(optimizer) if optimizer.is_file() else None,
     )

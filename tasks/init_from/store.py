@@ -11,11 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from model.atomic import atomic_dir
 from model.weights import CONFIG_FILE, WEIGHTS_FILE
 from tasks import home
 from tasks.data.cache import build_lock, is_complete
-from tasks.training.checkpoint import sha256_file
 
 META_FILE = "meta.json"  # the completion marker of a slot (tasks.data.cache.is_complete)
 TOKENIZER_FILE = "tokenizer.json"
@@ -25,12 +26,30 @@ class InitFromError(ValueError):
     """`init_from` cannot be used as given; the message names the problem and the fix."""
 
 
+def weights_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a safetensors file's tensors (names, dtypes, shapes, bytes, in name order): the same for
+    the same weights, whatever the file's header order (safetensors writes its metadata in hash order)."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(path), framework="pt") as f:
+        for name in sorted(f.keys()):  # noqa: SIM118 - safe_open is not a dict
+            tensor = f.get_tensor(name).contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def parents_dir() -> Path:
     return home.cache_dir() / "parents"
 
 
 def link_or_copy(source: Path, target: Path) -> None:
-    """A hard link where the file system allows it (weights are large), else a copy."""
+    """A hard link where the file system allows it (weights are large), else a copy; a symlink (the HF
+    cache's snapshots are made of them) is followed."""
+    source = source.resolve()
     try:
         os.link(source, target)
     except OSError:
@@ -51,7 +70,7 @@ def materialize(key: str, write: Callable[[Path], dict[str, Any]]) -> tuple[Path
                     for name in (CONFIG_FILE, WEIGHTS_FILE):
                         if not (staged.path / name).is_file():
                             raise InitFromError(f"the parent {key} has no {name} after download")
-                    meta["weights_sha256"] = sha256_file(staged.path / WEIGHTS_FILE)
+                    meta["weights_sha256"] = weights_sha256(staged.path / WEIGHTS_FILE)
                     (staged.path / META_FILE).write_text(json.dumps(meta, indent=2))
     return final, json.loads((final / META_FILE).read_text())
 
