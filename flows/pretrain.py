@@ -32,7 +32,15 @@ from tasks.build import build_model_task
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
 from tasks.init_from import resolve_for_run_task
-from tasks.refs import CheckpointRef, DatasetRef, EvalResult, ParentRef, RegisteredModel, TokenizerRef
+from tasks.refs import (
+    CheckpointRef,
+    DatasetRef,
+    EvalResult,
+    ModelRef,
+    ParentRef,
+    RegisteredModel,
+    TokenizerRef,
+)
 from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
@@ -49,6 +57,7 @@ class PretrainResult(BaseModel):
     dataset: DatasetRef
     metrics: dict[str, float]
     tracking_uri: str = Field(description="The MLflow store, credentials redacted")
+    model: ModelRef | None = Field(None, description="The initial weights (from the parent with init_from)")
     parent: ParentRef | None = Field(None, description="The model this run started from (init_from)")
 
 
@@ -173,6 +182,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         dataset=dataset,
         metrics=metrics,
         tracking_uri=store.redact_uri(uri),
+        model=model,
         parent=parent,
     )
     report.publish_summary(result.model_dump(mode="json"))

@@ -1,0 +1,157 @@
+"""Continued pretraining through the whole flow: from a Hugging Face checkout in the HF cache, then from the
+registry's champion (its alias moved right after the flow resolved it), with the lineage in MLflow; and a
+tokenizer that does not fit the embedding refused before any work.
+
+Real Prefect API, real SQLite MLflow store, real training (tiny model, a few eager fp32 steps).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants as hf_constants
+from prefect.testing.utilities import prefect_test_harness
+from tokenizers import Tokenizer
+
+import flows.pretrain as pretrain_module
+from flows.config import PretrainConfig
+from flows.pretrain import lineage_lines, pretrain
+from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
+from registry_world import sqlite_store
+from tasks import home
+from tasks.init_from import InitFromError
+from tasks.init_from.store import weights_sha256
+from tasks.lookup import download_model_files
+from tasks.refs import CheckpointRef
+from tasks.registry import lineage
+from tasks.registry.publish import log_version
+from tasks.tracking import store
+
+pytestmark = pytest.mark.e2e
+NAME = "lineage-e2e"
+STEPS = {"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 0, "micro_batch_size": 4}
+FAST = {
+    "preset": "tiny",
+    "seq_len": 64,
+    "accumulate_steps": 1,
+    "compile": False,
+    "dtype": "fp32",
+    "eval_max_blocks": 4,
+    "num_samples": 0,
+    "experiment": "lineage-e2e",
+    "model_name": NAME,
+    **STEPS,
+}
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def _corpus(root: Path, names: list[str]) -> str:
+    root.mkdir(parents=True)
+    stdlib = Path(os.__file__).parent
+    for name in names:
+        shutil.copyfile(stdlib / name, root / name)
+    return str(root)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_any_work(
+    prefect_api, tmp_path: Path
+) -> None:
+    hf_dir = save_hf_llama(tmp_path / "hf")
+    bigger = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    bigger.add_tokens(["<extra>"])
+    bigger.save(str(tmp_path / "bigger.json"))
+    data = _corpus(tmp_path / "corpus", ["textwrap.py", "shlex.py", "bisect.py"])
+    tokens = home.cache_dir() / "tokens"
+    before = set(tokens.rglob("*")) if tokens.exists() else set()
+    with sqlite_store(tmp_path) as uri:
+        config = PretrainConfig(
+            **FAST, init_from=str(hf_dir), tokenizer=str(tmp_path / "bigger.json"), data=data
+        )
+        with pytest.raises(
+            InitFromError, match=r"has 321 tokens but the model .* has 320 embedding rows.*resize"
+        ):
+            pretrain(config)
+        assert store.get_client(uri).get_experiment_by_name("lineage-e2e") is None  # no run was opened
+    assert (set(tokens.rglob("*")) if tokens.exists() else set()) == before  # nothing was tokenized
+
+
+def test_continue_from_the_hf_cache_then_from_the_champion_records_the_lineage(
+    prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    put_in_hf_cache(tmp_path / "hub", "acme/tiny-llama", save_hf_llama(tmp_path / "hf"))
+    corpus = _corpus(
+        tmp_path / "corpus", ["textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py"]
+    )
+    new_docs = _corpus(tmp_path / "new_docs", ["heapq.py", "keyword.py", "glob.py", "sched.py"])
+    with sqlite_store(tmp_path) as uri:
+        client = store.get_client(uri)
+        first = pretrain(PretrainConfig(**FAST, init_from="acme/tiny-llama", data=corpus))
+        v1 = client.get_model_version(NAME, first.registered.version)
+        assert first.registered.promoted and first.parent.pinned == f"hf:acme/tiny-llama@{COMMIT}"
+        assert v1.tags[lineage.TAG_PARENT] == f"hf:acme/tiny-llama@{COMMIT}"
+        assert (
+            v1.tags[lineage.TAG_ROOT] == f"hf:acme/tiny-llama@{COMMIT}" and v1.tags[lineage.TAG_DEPTH] == "2"
+        )
+        assert v1.tags[lineage.TAG_TOKENS_SEEN_TOTAL] == str(first.checkpoint.tokens_seen)
+        assert lineage.base_model(v1.tags) == "acme/tiny-llama"
+
+        # Another version to move the alias to: the imported weights, untrained.
+        other = log_version(
+            client,
+            run_id=first.run_id,
+            checkpoint=CheckpointRef(path=first.model.path, run_dir=str(tmp_path), step=0, tokens_seen=0),
+            tokenizer=first.tokenizer,
+            model_name=NAME,
+            tags={},
+            via_server=False,
+        )
+        resolve = pretrain_module.resolve_for_run_task
+
+        def resolve_then_move_the_alias(source: str | None, run_dir: str):  # noqa: ANN202
+            parent = resolve(source, run_dir)
+            client.set_registered_model_alias(NAME, "champion", other.version)
+            return parent
+
+        monkeypatch.setattr(pretrain_module, "resolve_for_run_task", resolve_then_move_the_alias)
+        second = pretrain(PretrainConfig(**FAST, init_from=f"models:/{NAME}@champion", data=new_docs))
+
+        # It loaded the version it resolved, not the one the alias points at now.
+        assert second.parent.pinned == f"models:/{NAME}/{v1.version}"
+        v1_files = download_model_files(f"models:/{NAME}/{v1.version}", tmp_path / "v1", uri)
+        assert weights_sha256(Path(second.model.path) / "model.safetensors") == weights_sha256(
+            v1_files.weights
+        )
+        assert second.registered.champion_version == str(other.version)
+
+        v3 = client.get_model_version(NAME, second.registered.version)
+        v1_model_id = lineage.logged_model_id(client, v1)
+        assert v1_model_id is not None
+        assert {k: v3.tags.get(k) for k in (lineage.TAG_PARENT, lineage.TAG_PARENT_VERSION)} == {
+            lineage.TAG_PARENT: f"models:/{NAME}/{v1.version}",
+            lineage.TAG_PARENT_VERSION: str(v1.version),
+        }
+        assert (
+            v3.tags[lineage.TAG_PARENT_NAME] == NAME and v3.tags[lineage.TAG_PARENT_MODEL_ID] == v1_model_id
+        )
+        assert v3.tags[lineage.TAG_LINEAGE] == f"|{NAME}/{v1.version}|" and v3.tags[lineage.TAG_DEPTH] == "3"
+        assert v3.tags[lineage.TAG_ROOT] == f"hf:acme/tiny-llama@{COMMIT}"
+        assert v3.tags[lineage.TAG_TOKENIZER_SHA256] == v1.tags[lineage.TAG_TOKENIZER_SHA256]
+        total = first.checkpoint.tokens_seen + second.checkpoint.tokens_seen
+        assert v3.tags[lineage.TAG_TOKENS_SEEN_TOTAL] == str(total)
+        inputs = client.get_run(second.run_id).inputs.model_inputs
+        assert [m.model_id for m in inputs] == [v1_model_id]  # the parent as the run's model input
+        assert [(v.name, str(v.version)) for v in lineage.descendants(NAME, v1.version, uri)] == [
+            (NAME, str(v3.version))
+        ]
+        summary = "\n".join(lineage_lines(second))
+        assert f"started from: models:/{NAME}/{v1.version}" in summary and "its parent:" in summary
+        assert float(v3.tags[lineage.TAG_PARENT_BITS_PER_BYTE]) == second.evaluation.initial_bits_per_byte
