@@ -127,11 +127,14 @@ def export_hf(
     eos_token: str | None = None,
     pad_token: str | None = None,
     dtype: torch.dtype | None = None,
+    base_model: str | None = None,
+    card_text: str = "",
 ) -> Path:
-    """Write a Hugging Face Llama checkpoint: config.json, model.safetensors and, given a tokenizer
+    """Write a Hugging Face Llama checkpoint: config.json, model.safetensors, a model card (README.md, its
+    metadata naming `base_model` when the model was trained on from another) and, given a tokenizer
     (a `tokenizers.Tokenizer` or a path to tokenizer.json), tokenizer.json + tokenizer_config.json +
     special_tokens_map.json for `AutoTokenizer`. Special tokens are found by their usual names unless given.
-    `dtype` casts the floating-point weights (default: keep the model's dtype).
+    `dtype` casts the floating-point weights (default: keep the model's dtype). `card_text` is the card's body.
     """
     plain = unwrap(model)
     if not isinstance(plain, LlamaForPretraining):
@@ -183,7 +186,18 @@ def export_hf(
         if config_json[k] is not None
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(base_model, card_text))
     return out
+
+
+def model_card(base_model: str | None, body: str = "") -> str:
+    """A Hugging Face model card: YAML metadata (the hub reads `base_model` for a model's family tree; a
+    model trained further from another is its `finetune`), then the text."""
+    meta = ["library_name: transformers", "pipeline_tag: text-generation", "tags:", "- llamaflow"]
+    if base_model is not None:
+        meta += [f"base_model: {json.dumps(base_model)}", "base_model_relation: finetune"]
+    text = body or "A Llama model trained with llamaflow."
+    return "---\n" + "\n".join(meta) + "\n---\n\n" + text.rstrip() + "\n"
 
 
 def _write_tokenizer(tokenizer: Tokenizer, out: Path, special: dict[str, str | None], max_len: int) -> None:

@@ -32,6 +32,7 @@ from prefect.context import TaskRunContext
 
 from model.atomic import atomic_dir
 from tasks import home
+from tasks.data import tokens
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.common import data_logger
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
@@ -322,7 +323,7 @@ def plan_tokenization(
         tokenizer,
         add_bos=add_bos,
         dtype=dtype,
-        **({"shard_bytes": shard_bytes} if shard_bytes else {}),
+        shard_bytes=shard_bytes or tokens.SHARD_BYTES,  # read now: a test or benchmark may set it
     )
     data_logger().info(
         f"tokenizing {sum(len(s.parts) for s in shards)} of {len(parts)} files "

@@ -1,6 +1,7 @@
 """Continued pretraining through the whole flow: from a Hugging Face checkout in the HF cache, then from the
-registry's champion (its alias moved right after the flow resolved it), with the lineage in MLflow; and a
-tokenizer that does not fit the embedding refused before any work.
+registry's champion (its alias moved right after the flow resolved it), with the lineage in MLflow; a
+tokenizer that does not fit the embedding refused before any work; and the data stage's files tokenized as
+mapped Prefect tasks, only the new ones when the corpus grew.
 
 Real Prefect API, real SQLite MLflow store, real training (tiny model, a few eager fp32 steps).
 """
@@ -13,21 +14,31 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants as hf_constants
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.context import get_run_context
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.testing.utilities import prefect_test_harness
 from tokenizers import Tokenizer
 
 import flows.pretrain as pretrain_module
 from flows.config import PretrainConfig
+from flows.data import build_data
 from flows.pretrain import lineage_lines, pretrain
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
 from registry_world import sqlite_store
 from tasks import home
+from tasks.data import tokens
+from tasks.dataset import plan_tokenization
+from tasks.export import export_registered
 from tasks.init_from import InitFromError
 from tasks.init_from.store import weights_sha256
 from tasks.lookup import download_model_files
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
+from tasks.tokenize import import_tokenizer, train_tokenizer
 from tasks.tracking import store
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +65,7 @@ def prefect_api():
 
 
 def _corpus(root: Path, names: list[str]) -> str:
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     stdlib = Path(os.__file__).parent
     for name in names:
         shutil.copyfile(stdlib / name, root / name)
@@ -155,3 +166,44 @@ def test_continue_from_the_hf_cache_then_from_the_champion_records_the_lineage(
         summary = "\n".join(lineage_lines(second))
         assert f"started from: models:/{NAME}/{v1.version}" in summary and "its parent:" in summary
         assert float(v3.tags[lineage.TAG_PARENT_BITS_PER_BYTE]) == second.evaluation.initial_bits_per_byte
+
+        # The Hugging Face export names the base model in its card.
+        card = export_registered(f"models:/{NAME}/{v3.version}", tmp_path / "hf-export", uri) / "README.md"
+        assert 'base_model: "acme/tiny-llama"' in card.read_text()
+        assert f"Continued from `models:/{NAME}/{v1.version}`" in card.read_text()
+
+
+MAPPED = ["textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py", "heapq.py", "glob.py"]
+
+
+@flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+def data_stage(config: PretrainConfig, tokenizer_path: str) -> tuple[str, str]:
+    dataset = build_data(config, import_tokenizer(tokenizer_path))
+    return str(get_run_context().flow_run.id), dataset.fingerprint
+
+
+def _shard_runs(flow_run_id: str) -> list[bool]:
+    """The tokenize_shard task runs of a flow run: whether each completed."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return sorted(r.state.type.value == "COMPLETED" for r in runs if r.name.startswith("tokenize_shard"))
+
+
+def test_files_to_tokenize_run_as_mapped_tasks_of_the_flow(
+    prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokens, "SHARD_BYTES", 20_000)  # small shards: several tasks for a small corpus
+    corpus = _corpus(tmp_path / "mapped", MAPPED[:-1])
+    tokenizer = train_tokenizer(str(corpus), 290)
+    config = PretrainConfig(preset="tiny", data=str(corpus), seq_len=32, val_fraction=0.2)
+    planned = plan_tokenization(str(corpus), tokenizer, 32, val_fraction=0.2)
+    assert len(planned) >= 3
+
+    first_run, first = data_stage(config, tokenizer.path)
+    assert _shard_runs(first_run) == [True] * len(planned)
+    assert plan_tokenization(str(corpus), tokenizer, 32, val_fraction=0.2) == []
+
+    _corpus(corpus, MAPPED[-1:])
+    second_run, second = data_stage(config, tokenizer.path)
+    assert _shard_runs(second_run) == [True]  # one mapped task, for the one new file
+    assert second != first

@@ -1,0 +1,131 @@
+"""The `continue` deployment of prefect.yaml, end to end: a real Prefect server, the repository's deployments on
+a process work pool, a real worker. A first champion is registered in the MLflow store; the deployment, run
+twice as its schedule would, continues from the champion each time, and the lineage grows by one per night:
+version 2's parent is version 1, version 3's is the champion it started from.
+
+The deployments run from this checkout (as in tests/test_deployment.py); each run keeps the deployment's own
+config (preset, init_from) and only makes it short and points it at a small corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from model import LlamaForPretraining, get_preset, save_weights
+from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run
+from tasks.refs import CheckpointRef
+from tasks.registry import lineage
+from tasks.registry.publish import log_version
+from tasks.tokenize import train_tokenizer
+from tasks.tracking import store
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[1]
+POOL = "gpu-pool"
+NAME = "llamaflow-demo"  # the deployment's init_from: models:/llamaflow-demo@champion
+SHORT = {
+    "max_steps": 3,
+    "warmup_steps": 1,
+    "checkpoint_every": 0,
+    "seq_len": 64,
+    "micro_batch_size": 4,
+    "accumulate_steps": 1,
+    "compile": False,
+    "dtype": "fp32",
+    "eval_max_blocks": 4,
+    "num_samples": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
+    """(tracking URI, worker log, corpus): server, pool, prefect.yaml's deployments, one process worker."""
+    root = tmp_path_factory.mktemp("continue-stack")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py"):
+        shutil.copyfile(Path(os.__file__).parent / name, corpus / name)
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec["build"] = None
+    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    (root / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    base_env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    with prefect_server(root / "prefect", base_env) as (api_url, env):
+        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        prefect(
+            ["--no-prompt", "deploy", "--name", "continue", "--prefect-file", str(root / "prefect.yaml")],
+            env,
+            REPO,
+        )
+        with (
+            prefect_worker(POOL, env, root, root / "worker.log"),
+            temporary_settings(updates={PREFECT_API_URL: api_url}),
+        ):
+            yield tracking_uri, root / "worker.log", corpus
+
+
+def _first_champion(uri: str, corpus: Path, root: Path) -> str:
+    """Version 1: a tiny llamaflow model with a tokenizer trained on the corpus, holding @champion."""
+    tokenizer = train_tokenizer(str(corpus), 384)
+    torch.manual_seed(0)
+    model = LlamaForPretraining(get_preset("tiny", vocab_size=384, max_position_embeddings=128))
+    checkpoint = root / "first"
+    checkpoint.mkdir()
+    save_weights(model, checkpoint / "model.safetensors")
+    (checkpoint / "config.json").write_text(json.dumps(model.config.to_dict()))
+    client = store.get_client(uri)
+    run_id = store.start_run("continue-bootstrap", uri=uri)
+    version = log_version(
+        client,
+        run_id=run_id,
+        checkpoint=CheckpointRef(path=str(checkpoint), run_dir=str(root), step=0, tokens_seen=0),
+        tokenizer=tokenizer,
+        model_name=NAME,
+        tags=lineage.version_tags(None, tokens_seen=0, tokenizer=tokenizer, parent_bits_per_byte=None),
+        via_server=False,
+    )
+    client.set_registered_model_alias(NAME, "champion", version.version)
+    return str(version.version)
+
+
+def test_the_continue_deployment_grows_the_lineage_by_one_each_night(
+    stack: tuple[str, Path, Path], tmp_path: Path
+) -> None:
+    uri, worker_log, corpus = stack
+    assert _first_champion(uri, corpus, tmp_path) == "1"
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("pretrain/continue")
+    assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [("0 4 * * *", True)]
+    config = deployment.parameters["config"]
+    assert config["init_from"] == f"models:/{NAME}@champion"
+
+    mlflow = store.get_client(uri)
+    for night in (1, 2):
+        champion = str(mlflow.get_model_version_by_alias(NAME, "champion").version)
+        with get_client(sync_client=True) as client:
+            run = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"config": {**config, **SHORT, "data": str(corpus)}}
+            )
+        run = wait_for_flow_run(run.id, 600, worker_log)
+        assert run.state.type.value == "COMPLETED", f"night {night}: {run.state.message}\n{tail(worker_log)}"
+        version = mlflow.get_model_version(NAME, str(night + 1))
+        assert version.tags[lineage.TAG_PARENT] == f"models:/{NAME}/{champion}"
+        assert version.tags[lineage.TAG_PARENT_VERSION] == champion
+        parent_depth = int(mlflow.get_model_version(NAME, champion).tags[lineage.TAG_DEPTH])
+        assert version.tags[lineage.TAG_DEPTH] == str(parent_depth + 1)
+        assert f"|{NAME}/1|" in version.tags[lineage.TAG_LINEAGE]
+        if night == 1:
+            assert champion == "1"  # version 2's parent is version 1
+    descendants = [str(v.version) for v in lineage.descendants(NAME, 1, uri)]
+    assert descendants == ["2", "3"]
