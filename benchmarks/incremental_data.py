@@ -5,7 +5,9 @@
 The corpus is the interpreter's standard library (the default corpus) copied into a temporary directory,
 less a held-back `--grow` share of its files; a tokenizer is trained on it once, untimed (a continued run
 takes its parent's tokenizer). The data stage is `flows.data.build_data` inside a Prefect flow: plan the
-shards of files not yet tokenized, map `tokenize_shard` over them on the flow's task runner, pack.
+shards of files not yet tokenized, map `tokenize_shard` over them on the flow's task runner, pack. The flows
+report to a Prefect server the script starts on a free local port (a process pool's workers must reach
+the same API; with the ephemeral API each would start its own server).
 
 Rows:
 - cold: a fresh LLAMAFLOW_HOME, each task runner and worker count (tokenization throughput);
@@ -17,11 +19,13 @@ Prints a table and writes benchmarks/results/incremental_data.json with the CPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,37 @@ def data_stage(corpus: str, tokenizer_path: str, kind: str, workers: int, home: 
     return stage()
 
 
+@contextlib.contextmanager
+def prefect_server(root: Path) -> Iterator[None]:
+    """A local `prefect server` for the run, its URL exported before Prefect is imported here."""
+    from flows.processes import free_port, start_detached, stop_tree, wait_http
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = root / "prefect-server.log"
+    pid = start_detached(
+        [
+            str(Path(sys.executable).with_name("prefect")),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--analytics-off",
+        ],
+        env,
+        log,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", pid, log, "prefect server", 180)
+        os.environ["PREFECT_HOME"] = env["PREFECT_HOME"]
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+        yield
+    finally:
+        stop_tree(pid)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,7 +121,7 @@ def main() -> None:
     from tasks.home import apply_embedded_defaults
 
     load_before = load_average()
-    with tempfile.TemporaryDirectory(prefix="llamaflow-incremental-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="llamaflow-incremental-") as tmp, prefect_server(Path(tmp)):
         root = Path(tmp)
         os.environ["LLAMAFLOW_HOME"] = str(root / "tokenizer-home")
         apply_embedded_defaults()

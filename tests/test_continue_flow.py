@@ -20,6 +20,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.context import get_run_context
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.testing.utilities import prefect_test_harness
+from registry_world import sqlite_store
 from tokenizers import Tokenizer
 
 import flows.pretrain as pretrain_module
@@ -27,7 +28,6 @@ from flows.config import PretrainConfig
 from flows.data import build_data
 from flows.pretrain import lineage_lines, pretrain
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
-from registry_world import sqlite_store
 from tasks import home
 from tasks.data import tokens
 from tasks.dataset import plan_tokenization

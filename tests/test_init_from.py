@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from huggingface_hub import constants as hf_constants
+from registry_world import sqlite_store
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -22,7 +23,6 @@ from flows.config import PretrainConfig
 from flows.data import tokenizer_for
 from hf_checkpoint import BOS, COMMIT, EOS, put_in_hf_cache, save_hf_llama
 from model import LlamaForPretraining, get_preset, load_pretrained, save_weights
-from registry_world import sqlite_store
 from tasks.build import build_model
 from tasks.init_from import InitFromError, resolve_for_run, resolve_init_from
 from tasks.init_from.store import weights_sha256
