@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.config import RUN_PRESETS, PretrainConfig
+from flows.config import RUN_PRESETS, ConfigNote, PretrainConfig
 from flows.pretrain import config_from_args
+from model import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,11 @@ def test_every_training_option_goes_from_the_command_line_to_the_engine_unchange
         ({"seq_len": 1}, "seq_len"),
         ({"preset": "huge"}, "unknown preset"),
         ({"init_checkpoint": "/no/such/ckpt"}, "does not exist"),
+        ({"init_from": "/no/such/ckpt"}, "does not exist"),
+        ({"init_from": "models:/x@champion", "model": "tiny"}, "init_from takes the architecture"),
+        ({"init_from": "models:/x@champion", "vocab_size": 4096}, "drop vocab_size"),
+        ({"init_from": "models:/x/1", "init_checkpoint": "/ckpt"}, "give init_from only"),
+        ({"resize_embeddings": True}, "it needs init_from"),
         ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
         ({"warmup_steps": 40}, "warmup_steps=40 must be smaller than max_steps=30"),  # the preset's max_steps
         ({"data": "/no/such/dir/*.txt"}, "matches no files"),
@@ -250,3 +256,29 @@ def test_model_overrides_given_add_to_the_presets() -> None:
     model = config.llama_config()
     assert model.num_hidden_layers == 4 and not model.qk_norm and model.zero_init_output_projections
     assert PretrainConfig(preset="demo").llama_config().qk_norm
+
+
+def test_init_from_takes_the_parents_architecture_and_init_checkpoint_is_its_former_name(
+    tmp_path: Path,
+) -> None:
+    corpus = tmp_path / "new_docs"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("text")
+    cfg = config_from_args(
+        ["--preset", "demo", "--init-from", "models:/llamaflow-demo@champion", "--data", str(corpus)]
+    )
+    assert (cfg.init_from, cfg.data, cfg.model_overrides) == (
+        "models:/llamaflow-demo@champion",
+        str(corpus),
+        {},
+    )
+    parent = get_preset("tiny", vocab_size=300)
+    own = cfg.model_copy(update={"model_overrides": {"max_position_embeddings": 4096}})
+    assert own.llama_config(parent, vocab_size=320).to_dict() == {
+        **parent.to_dict(),
+        "vocab_size": 320,
+        "max_position_embeddings": 4096,
+    }
+    with pytest.warns(ConfigNote, match="init_checkpoint is now called init_from"):
+        old = config_from_args(["--preset", "tiny", "--init-checkpoint", str(corpus)])
+    assert old.init_from == str(corpus)

@@ -92,8 +92,21 @@ def expand(source: str) -> tuple[list[Path], Path]:
     return [path], path.parent
 
 
+# Digests this process computed, by (path, size, mtime, inode, ctime): a flow resolves its corpus several
+# times (planning, the cache key, building) and reads each file once. A rewritten file changes its mtime.
+_DIGESTS: dict[tuple[str, int, int, int, int], tuple[str, int]] = {}
+
+
 def _digest(path: Path, *, check_utf8: bool) -> tuple[str, int]:
     """Content hash and size, read in 1 MiB chunks (files may be larger than memory)."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+    if (known := _DIGESTS.get(key)) is None:
+        known = _DIGESTS[key] = _read_digest(path, check_utf8=check_utf8)
+    return known
+
+
+def _read_digest(path: Path, *, check_utf8: bool) -> tuple[str, int]:
     digest = hashlib.blake2b(digest_size=16)
     decoder = codecs.getincrementaldecoder("utf-8")()
     size = 0

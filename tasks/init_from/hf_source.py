@@ -70,7 +70,7 @@ def snapshot(repo: str, revision: str | None) -> Path:
 
         if constants.HF_HUB_OFFLINE:
             raise InitFromError(
-                f"init_from={repo!r}: not (completely) in the local Hugging Face cache "
+                f"{repo} is not (completely) in the local Hugging Face cache "
                 f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set ({err}). Download it once where there is "
                 "network: "
                 f"`hf download {repo} --include {' '.join(repr(p) for p in HUB_FILES)}` (same HF_HOME), or "
@@ -125,7 +125,11 @@ def resolve_hub_id(source: str) -> ParentRef:
     if match is None:
         raise InitFromError(f"init_from={source!r} is not a hub id (ORG/NAME or hf:ORG/NAME[@REVISION])")
     repo, revision = match["repo"], match["revision"]
-    directory = snapshot(repo, revision)
+    try:
+        directory = snapshot(repo, revision)
+    except InitFromError as err:
+        where = "" if source.startswith("hf:") else " is no existing path, and as a Hugging Face hub id"
+        raise InitFromError(f"init_from={source!r}{where}: {err}") from err
     if not is_hf_dir(directory):
         raise InitFromError(
             f"init_from={source!r}: the cached snapshot {directory} has no Hugging Face config.json with a "
