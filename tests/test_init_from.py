@@ -26,10 +26,10 @@ from model import LlamaForPretraining, get_preset, load_pretrained, save_weights
 from tasks.build import build_model
 from tasks.init_from import InitFromError, resolve_for_run, resolve_init_from
 from tasks.init_from.store import weights_sha256
-from tasks.refs import CheckpointRef, ParentRef
+from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
-from tasks.tokenize import import_tokenizer, train_tokenizer
+from tasks.tokenize import train_tokenizer
 from tasks.tracking import store
 
 
@@ -201,9 +201,3 @@ def test_the_tokenizer_must_fit_the_embedding_or_grow_it_explicitly(hf_dir: Path
     renumbered = train_tokenizer(str(Path(os.__file__).parent / "shlex.py"), 300)
     with pytest.raises(InitFromError, match="does not extend the one that came with init_from"):
         tokenizer_for(_config(str(hf_dir), tokenizer=renumbered.path), parent)
-
-
-def test_a_recorded_parent_is_a_plain_json_ref(tmp_path: Path, hf_dir: Path) -> None:
-    parent = resolve_for_run(str(hf_dir), tmp_path / "run")
-    assert ParentRef.model_validate_json((tmp_path / "run" / "init_from.json").read_text()) == parent
-    assert import_tokenizer(parent.tokenizer_path, special_tokens=parent.special_tokens).eos_id == 1
