@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -182,17 +183,25 @@ def data_stage(config: PretrainConfig, tokenizer_path: str) -> tuple[str, str]:
     return str(get_run_context().flow_run.id), dataset.fingerprint
 
 
-def _shard_runs(flow_run_id: str) -> list[bool]:
-    """The tokenize_shard task runs of a flow run: whether each completed."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return sorted(r.state.type.value == "COMPLETED" for r in runs if r.name.startswith("tokenize_shard"))
+def _shard_runs(flow_run_id: str, expected: int) -> list[str]:
+    """The states of the tokenize_shard task runs of a flow run, once the API recorded `expected` of them
+    as final (task runs are recorded from events, a moment after the flow returned; 30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+        states = [r.state.type.value for r in runs if r.name.startswith("tokenize_shard") and r.state]
+        if (len(states) >= expected and all(s != "RUNNING" for s in states)) or time.monotonic() > deadline:
+            return sorted(states)
+        time.sleep(0.5)
 
 
 def test_files_to_tokenize_run_as_mapped_tasks_of_the_flow(
     prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tokens, "SHARD_BYTES", 20_000)  # small shards: several tasks for a small corpus
+    monkeypatch.setattr(tokens, "SHARD_BYTES", 8_000)  # small shards: several tasks for a small corpus
     corpus = _corpus(tmp_path / "mapped", MAPPED[:-1])
     tokenizer = train_tokenizer(str(corpus), 290)
     config = PretrainConfig(preset="tiny", data=str(corpus), seq_len=32, val_fraction=0.2)
@@ -200,10 +209,10 @@ def test_files_to_tokenize_run_as_mapped_tasks_of_the_flow(
     assert len(planned) >= 3
 
     first_run, first = data_stage(config, tokenizer.path)
-    assert _shard_runs(first_run) == [True] * len(planned)
+    assert _shard_runs(first_run, len(planned)) == ["COMPLETED"] * len(planned)
     assert plan_tokenization(str(corpus), tokenizer, 32, val_fraction=0.2) == []
 
-    _corpus(corpus, MAPPED[-1:])
+    _corpus(Path(corpus), MAPPED[-1:])
     second_run, second = data_stage(config, tokenizer.path)
-    assert _shard_runs(second_run) == [True]  # one mapped task, for the one new file
+    assert _shard_runs(second_run, 1) == ["COMPLETED"]  # one mapped task, for the one new file
     assert second != first
