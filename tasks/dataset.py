@@ -32,7 +32,7 @@ from prefect.context import TaskRunContext
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data import tokens
+from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.common import data_logger
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
@@ -221,22 +221,31 @@ def _tokenize_split(
         raw.unlink()
         return blocks, n_tokens, kept, counts
     parts = _parts(split)
-    # Whatever a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads.
-    with ThreadPoolExecutor(max_workers=num_proc) as pool:
-        done = list(pool.map(lambda part: tokenize_part(part, tokenizer, add_bos, dtype.name), parts))
-    n_tokens = sum(c["tokens"] for c in done)
+    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
+    root = token_cache.tokens_dir()
+    done = [token_cache.cached_counts(key, root) for key in keys]
+    missing = [i for i, counts in enumerate(done) if counts is None]
+    if missing:  # what a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads
+        with ThreadPoolExecutor(max_workers=num_proc) as pool:
+            fresh = pool.map(lambda i: tokenize_part(parts[i], tokenizer, add_bos, dtype.name), missing)
+            for i, counts in zip(missing, fresh, strict=True):
+                done[i] = counts
+    n_tokens = sum(c["tokens"] for c in done)  # type: ignore[index]
     if n_tokens < seq_len + 1:
         raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
-    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
     blocks, n_tokens, kept = pack_parts(
         keys,
+        [c["tokens"] for c in done],  # type: ignore[index]
         staging / f"{short}.npy",
         seq_len=seq_len,
         keep_remainder=keep_remainder,
         pad_id=tokenizer.pad_id,
         dtype=dtype,
     )
-    counts = {"documents": sum(c["documents"] for c in done), "bytes": sum(c["bytes"] for c in done)}
+    counts = {
+        "documents": sum(c["documents"] for c in done),  # type: ignore[index]
+        "bytes": sum(c["bytes"] for c in done),  # type: ignore[index]
+    }
     return blocks, n_tokens, kept, counts
 
 
@@ -323,7 +332,7 @@ def plan_tokenization(
         tokenizer,
         add_bos=add_bos,
         dtype=dtype,
-        shard_bytes=shard_bytes or tokens.SHARD_BYTES,  # read now: a test or benchmark may set it
+        shard_bytes=shard_bytes or token_cache.SHARD_BYTES,  # read now: a test or benchmark may set it
     )
     data_logger().info(
         f"tokenizing {sum(len(s.parts) for s in shards)} of {len(parts)} files "

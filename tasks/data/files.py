@@ -35,7 +35,7 @@ class SourceFile:
 
     @property
     def kind(self) -> str:
-        return Path(self.path).suffix.lower()
+        return os.path.splitext(self.path)[1].lower()  # not pathlib: called per file, many times
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def _tokenizer_identity(tokenizer: TokenizerRef) -> str:
 
 def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str) -> str:
     """The cache key of a part's tokens: its content and everything that shapes its token stream."""
-    suffix = Path(part.path).suffix.lower()
+    suffix = os.path.splitext(part.path)[1].lower()
     # A selection inside a file (single-file corpora) depends on the file's relative path (records are
     # split by a hash of it); a whole file depends on its bytes only, wherever it lies.
     selection = "" if part.select is None else f"{part.relpath}:{part.select[0]}:{part.select[1]!r}"
@@ -114,29 +114,20 @@ def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str)
     )
 
 
-def _entry(key: str) -> tuple[Path, Path]:
-    base = tokens_dir() / key[:2] / key
-    return base.with_suffix(".bin"), base.with_suffix(".json")
+def _entry(key: str, root: Path | None = None) -> tuple[str, str]:
+    base = os.path.join(root or tokens_dir(), key[:2], key)  # strings: looked up for every file of a corpus
+    return base + ".bin", base + ".json"
 
 
-def cached_counts(key: str) -> dict[str, int] | None:
-    """The counts of a complete cache entry ({"tokens", "documents", "bytes"}), or None."""
-    _, meta = _entry(key)
+def cached_counts(key: str, root: Path | None = None) -> dict[str, int] | None:
+    """The counts of a complete cache entry ({"tokens", "documents", "bytes"}), or None. `root`: the token
+    cache's directory (`tokens_dir()`, computed once by callers that look up many parts)."""
+    _, meta = _entry(key, root)
     try:
-        return json.loads(meta.read_text())
+        with open(meta) as handle:
+            return json.load(handle)
     except (FileNotFoundError, ValueError):
         return None
-
-
-def read_tokens(key: str, dtype: np.dtype) -> np.ndarray:
-    """The cached token stream of a part (memory-mapped; empty for a part without text)."""
-    data, _ = _entry(key)
-    counts = cached_counts(key)
-    if counts is None:
-        raise FileNotFoundError(f"tokens of part {key} are not cached ({data}); tokenize the corpus again")
-    if counts["tokens"] == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(data, dtype=dtype, mode="r", shape=(counts["tokens"],))
 
 
 def _tokenizer(path: str) -> Any:
@@ -170,7 +161,7 @@ def tokenize_part(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype:
         return counts
     encoder = _tokenizer(tokenizer.path)
     data, meta = _entry(key)
-    data.parent.mkdir(parents=True, exist_ok=True)
+    os.makedirs(os.path.dirname(data), exist_ok=True)
     counts = {"tokens": 0, "documents": 0, "bytes": 0}
     with atomic_file(data) as tmp, open(tmp, "wb") as out:
         for batch in _batches(part_texts(part.file_part(), part.text_field), ENCODE_BATCH):
@@ -212,8 +203,9 @@ def plan_shards(
     shards: list[TokenShard] = []
     group: list[PartSpec] = []
     size = 0
+    root = tokens_dir()
     for part in parts:
-        if cached_counts(part_key(part, tokenizer, add_bos, dtype)) is not None:
+        if cached_counts(part_key(part, tokenizer, add_bos, dtype), root) is not None:
             continue
         group.append(part)
         size += part.size
@@ -226,12 +218,19 @@ def plan_shards(
 
 
 def pack_parts(
-    keys: Sequence[str], npy_path: Path, *, seq_len: int, keep_remainder: bool, pad_id: int, dtype: np.dtype
+    keys: Sequence[str],
+    lengths: Sequence[int],
+    npy_path: Path,
+    *,
+    seq_len: int,
+    keep_remainder: bool,
+    pad_id: int,
+    dtype: np.dtype,
 ) -> tuple[int, int, int]:
-    """Write the concatenated cached streams of `keys` as (n_blocks, seq_len + 1) rows of an .npy, one copy;
-    returns (blocks, stream tokens, stream tokens kept). The tail shorter than a block is dropped, or with
-    `keep_remainder` right-padded with `pad_id` into a last block when it holds at least 2 tokens."""
-    lengths = [cached_counts(k)["tokens"] for k in keys]  # type: ignore[index]
+    """Write the concatenated cached streams of `keys` (`lengths` tokens each) as (n_blocks, seq_len + 1)
+    rows of an .npy, one copy; returns (blocks, stream tokens, stream tokens kept). The tail shorter than a
+    block is dropped, or with `keep_remainder` right-padded with `pad_id` into a last block when it holds at
+    least 2 tokens."""
     n_tokens = sum(lengths)
     width = seq_len + 1
     full, remainder = divmod(n_tokens, width)
@@ -240,12 +239,14 @@ def pack_parts(
     kept = full * width + (remainder if keep_tail else 0)
     out = np.lib.format.open_memmap(npy_path, mode="w+", dtype=dtype, shape=(blocks, width))
     flat = out.reshape(-1)
+    root = tokens_dir()
     offset = 0
     for key, length in zip(keys, lengths, strict=True):
         take = min(length, kept - offset)
         if take <= 0:
             break
-        flat[offset : offset + take] = read_tokens(key, dtype)[:take]
+        data, _ = _entry(key, root)
+        flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
         offset += take
     flat[offset:] = pad_id
     out.flush()
