@@ -76,9 +76,6 @@ class ParentRef(_Ref):
     )
     depth: int = Field(1, description="Generations from the root of the chain: the parent's own depth")
     root: str = Field(description="Where the chain began: scratch, or an HF checkpoint (hf:ORG/NAME@COMMIT)")
-    optimizer_state: HomePath | None = Field(
-        None, description="optimizer.pt of a local checkpoint (init_optimizer may load it)"
-    )
 
 
 class ModelRef(_Ref):

@@ -85,7 +85,6 @@ def resolve_local(source: str, path: Path) -> ParentRef:
         )
     # The tokenizer travels beside the weights, or in the run directory of a training checkpoint.
     tokenizer = tokenizer_in(directory) or tokenizer_in(directory.parent)
-    optimizer = directory / ckpt.OPTIMIZER_FILE
     digest = weights_sha256(weights)
 
     def write(staging: Path) -> dict[str, Any]:
@@ -104,5 +103,4 @@ def resolve_local(source: str, path: Path) -> ParentRef:
         run_id=read_run_record(directory.parent),
         tokens_seen_total=facts.get("tokens_seen", 0),
         root=f"local:sha256:{digest[:16]}",
-        optimizer_state=str(optimizer) if optimizer.is_file() else None,
     )
