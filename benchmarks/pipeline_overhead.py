@@ -127,7 +127,7 @@ def run_bare(config: Any, dataset: Any, checkpoint_dir: Path) -> dict[str, Any]:
     from tasks.build import build_model
     from tasks.training import fit
 
-    model_ref = build_model(config.llama_config(), seed=config.seed, init_checkpoint=config.init_checkpoint)
+    model_ref = build_model(config.llama_config(), seed=config.seed)
     settings = config.train_settings()
     started = time.perf_counter()
     ref = fit(model_ref, dataset, settings, checkpoint_dir)

@@ -18,6 +18,7 @@ from model import (
     weights_file,
 )
 from tasks.build import build_model
+from tasks.init_from import resolve_init_from
 
 
 def _trained_looking_checkpoint(tmp_path: Path) -> tuple[LlamaConfig, Path]:
@@ -35,7 +36,7 @@ def _trained_looking_checkpoint(tmp_path: Path) -> tuple[LlamaConfig, Path]:
 
 def test_checkpoint_is_loaded_before_compile(tmp_path: Path) -> None:
     config, ckpt = _trained_looking_checkpoint(tmp_path)
-    ref = build_model(config, seed=0, init_checkpoint=str(ckpt))
+    ref = build_model(config, seed=0, parent=resolve_init_from(str(ckpt)))
 
     plain = load_pretrained(ref.path, ckpt).eval()
     compiled = torch.compile(load_pretrained(ref.path).eval())
@@ -69,11 +70,11 @@ def test_build_model_is_deterministic_and_cached(tmp_path: Path) -> None:
     assert a.n_params > 0
 
 
-def test_init_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) -> None:
+def test_init_from_a_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) -> None:
     _, ckpt = _trained_looking_checkpoint(tmp_path)
-    other = get_preset("tiny", vocab_size=1024)
+    other = get_preset("tiny", vocab_size=512, hidden_size=128)
     with pytest.raises(ValueError, match="do not fit this model"):
-        build_model(other, seed=0, init_checkpoint=str(ckpt))
+        build_model(other, seed=0, parent=resolve_init_from(str(ckpt)))
 
 
 def test_weights_must_be_safetensors(tmp_path: Path) -> None:
