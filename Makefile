@@ -2,7 +2,10 @@
 #   make train   the main job: the demo preset on the embedded defaults (stdlib corpus, SQLite MLflow, ephemeral Prefect)
 #   make test    ruff + the whole test suite (end-to-end tests included)
 #   make services / make services-down   PostgreSQL + Prefect server + MLflow server on free local ports
-#                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export
+#                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export.
+#                HOST=0.0.0.0 (or an address) listens beyond loopback, which turns authentication on;
+#                AUTH=1 turns it on for loopback too. Credentials: SERVICES_DIR/env.sh (mode 0600).
+#   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m")
 PYTHON ?= python3.11
 VENV ?= .venv
 # CPU machines take PyTorch's CPU wheel; a CUDA machine (nvidia-smi present) takes the CUDA build.
@@ -11,15 +14,21 @@ TORCH_CONSTRAINT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constrai
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train tiny test lint bench clean services services-down
+.PHONY: install train tiny test lint bench clean services services-down services-user
 SERVICES_DIR ?=
+HOST ?=
+AUTH ?=
+NAME ?= worker
+EXPERIMENTS ?=
+MODELS ?=
 SERVICES_ARGS = $(if $(SERVICES_DIR),--dir $(SERVICES_DIR))
+SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1 yes true on,$(AUTH)),--auth)
 
 # Install also migrates the embedded Prefect server's database (PREFECT_HOME), once, instead of the first run
 # (8-10 s of a cold `make train` on 2 cores).
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev,postgres]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev,postgres,auth]'
 	$(VENV)/bin/prefect server database upgrade -y > /dev/null
 	touch $(STAMP)
 
@@ -39,7 +48,11 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
 
 services: $(STAMP)
-	$(VENV)/bin/python -m flows.services up $(SERVICES_ARGS)
+	$(VENV)/bin/python -m flows.services up $(SERVICES_UP_ARGS)
+
+services-user: $(STAMP)
+	$(VENV)/bin/python -m flows.services add-user $(NAME) $(SERVICES_ARGS) \
+		$(foreach e,$(EXPERIMENTS),--experiment $(e)) $(foreach m,$(MODELS),--model $(m))
 
 services-down: $(STAMP)
 	$(VENV)/bin/python -m flows.services down $(SERVICES_ARGS)

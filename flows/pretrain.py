@@ -367,7 +367,13 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 failed, 2 bad input, 130 stopped. A failure ends the output with its message
     alone; its traceback is in Prefect's logs above it (and in the Prefect UI)."""
-    apply_embedded_defaults()
+    from tasks.credentials import CredentialsError
+
+    try:
+        apply_embedded_defaults()  # first: takes credentials out of the store URIs
+    except CredentialsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", ConfigNote)
         try:

@@ -1,8 +1,10 @@
-"""Long-running helper processes (servers, workers): start them detached, wait until they answer, and stop
-them with everything they started.
+"""Long-running helper processes (servers, workers): start them detached, wait until they answer, know them
+again, and stop them with everything they started.
 
 Servers and Prefect's process worker start children in new sessions (every flow run gets its own), so
-killing one process group leaves processes behind: `stop_tree` collects every descendant first.
+killing one process group leaves processes behind: `stop_tree` collects every descendant first. A saved pid
+alone proves nothing (the system reuses pids): `ProcessIdentity` adds the start time and command line, and
+nothing is trusted or signalled unless all three still match.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -25,19 +28,30 @@ class ProcessError(RuntimeError):
     """A helper process did not start; the message holds the end of its log."""
 
 
+def _bindable(port: int) -> socket.socket:
+    # SO_REUSEADDR as the servers set it: a port left in TIME_WAIT by a server that just stopped is free
+    # to them, so it must look free here too (else a quick restart moves every URL).
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with _bindable(0) as sock:
         return sock.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    try:
+        _bindable(port).close()
+    except OSError:
+        return False
+    return True
 
 
 def alive(pid: int | None) -> bool:
@@ -49,28 +63,61 @@ def alive(pid: int | None) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process as it was seen: pid, start time (seconds since the epoch) and command line."""
+
+    pid: int
+    started: float
+    cmdline: tuple[str, ...]
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        try:
+            proc = psutil.Process(pid)
+            return cls(pid, proc.create_time(), tuple(proc.cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def is_running(self) -> bool:
+        """The same process is still alive: same pid, start time and command line (not a reused pid)."""
+        now = ProcessIdentity.of(self.pid)
+        return (
+            now is not None
+            and abs(now.started - self.started) < 0.5
+            and now.cmdline == self.cmdline
+            and alive(self.pid)
+        )
+
+
 def stop_tree(pid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM `pid`, its descendants and their process groups; SIGKILL what is left after `grace_s`.
+    """SIGTERM `pid`, its descendants and the process groups they created; SIGKILL what is left after
+    `grace_s`. The caller vouches for `pid` (see `ProcessIdentity`).
 
     Servers and Prefect's flow-run processes start their children in new sessions, so killing one
-    process group is not enough: every descendant is collected first.
+    process group is not enough: every descendant is collected first. A process group is signalled only
+    when its leader is one of these processes: a group this tree did not create (the shell's, say, which a
+    child may still belong to) is never signalled, only the tree's own members in it.
     """
     try:
         root = psutil.Process(pid)
         procs = [*root.children(recursive=True), root]
     except psutil.NoSuchProcess:
         return
+    own = {proc.pid for proc in procs}
     for proc in procs:
-        _signal_group(proc.pid, signal.SIGTERM)
+        _signal(proc.pid, signal.SIGTERM, own)
     _, left = psutil.wait_procs(procs, timeout=grace_s)
     for proc in left:
-        _signal_group(proc.pid, signal.SIGKILL)
+        _signal(proc.pid, signal.SIGKILL, own)
     psutil.wait_procs(left, timeout=5)
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def _signal(pid: int, sig: signal.Signals, own: set[int]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(os.getpgid(pid), sig)
+        group = os.getpgid(pid)
+        if group in own:
+            os.killpg(group, sig)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
 

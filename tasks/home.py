@@ -102,7 +102,11 @@ def apply_embedded_defaults() -> None:
     reads its settings when it is imported, so they cannot be set from here for this process. The
     temporary server is another process, started later with this environment: its analytics are turned
     off here too, for runs outside the checkout (a worker's directory), where pyproject.toml is not read.
+    First of all, credentials inside store URIs are taken out (`tasks.credentials.guard_credentials`).
     """
+    from tasks.credentials import guard_credentials
+
+    guard_credentials()
     for env, path in ((HOME_ENV, home()), (MLRUNS_ENV, mlruns_dir())):
         if not os.environ.get(env):
             os.environ[env] = str(path)  # pinned: a later chdir or a child process sees the same place

@@ -59,7 +59,8 @@ def flow_run_tags() -> dict[str, str]:
     if deployment.id is not None:
         tags["prefect.deployment_id"] = str(deployment.id)
     if PREFECT_UI_URL.value():  # none for the ephemeral API: its address dies with the process
-        tags["prefect.flow_run_url"] = str(flow_run.ui_url)
+        # Derived from PREFECT_API_URL, which may carry credentials (a worker started without them moved out)
+        tags["prefect.flow_run_url"] = store.redact_uri(str(flow_run.ui_url))
     return tags
 
 

@@ -3,16 +3,17 @@
 Everything takes an explicit `run_id` and store URI and goes through `MlflowClient`, never the fluent
 "active run" or MLflow's process-wide tracking URI: Prefect runs tasks in worker threads and torchrun ranks
 in other processes, where a global would be the wrong one or none at all, and a caller's own MLflow set-up
-must not change behind its back. A tracking URI may hold credentials: everything shown goes through
-`redact_uri`. Finding a run again (retries, resumed checkpoints) is `tasks.tracking.runs`; metrics during
-training `tasks.tracking.sink`; what a finished run shows `tasks.tracking.report`.
+must not change behind its back. A tracking URI given with credentials loses them at the door
+(`tasks.credentials`: `check_tracking_store` and `get_client` move them into MLflow's own variables), and
+everything shown or stored (messages, params, tags) goes through `redact`. Finding a run again
+(retries, resumed checkpoints) is `tasks.tracking.runs`; metrics during training `tasks.tracking.sink`;
+what a finished run shows `tasks.tracking.report`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.parse
 import warnings
 from collections.abc import Mapping
@@ -25,12 +26,12 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from tasks import home
+from tasks.credentials import clean_uri, redact, redact_uri
 from tasks.refs import DatasetRef
 from tasks.tracking.code_version import code_version_tags
 
 _TRUNCATION_MARK = "...[truncated]"
 _TERMINAL_STATUSES = {"FINISHED", "FAILED", "KILLED"}
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^@/?#]*)@")
 
 
 class TrackingStoreUnavailable(RuntimeError):
@@ -41,30 +42,16 @@ class TrackingStoreUnavailable(RuntimeError):
 # Store and client
 
 
-def _shown_userinfo(userinfo: str) -> str:
-    user, sep, _ = userinfo.partition(":")
-    return f"{user}:***" if sep else "***"
-
-
-def redact_uri(uri: str) -> str:
-    """`uri` with the password (or a lone token) of its user-info replaced by `***`: safe to show."""
-    match = _USERINFO.match(uri)
-    if match is None:
-        return uri
-    return f"{match['scheme']}{_shown_userinfo(match['userinfo'])}@{uri[match.end() :]}"
-
-
 def _is_http(uri: str) -> bool:
     return urllib.parse.urlparse(uri).scheme in ("http", "https")
 
 
 def redact_error(error: BaseException, uri: str) -> str:
     """An exception's text (MLflow's quote the URL of a failed request) with the URI's secret taken out."""
-    text = str(error)
-    match = _USERINFO.match(uri)
-    if match is not None and match["userinfo"]:
-        text = text.replace(f"{match['userinfo']}@", f"{_shown_userinfo(match['userinfo'])}@")
-    return text
+    from tasks.credentials import remember_secret, split_userinfo
+
+    remember_secret(split_userinfo(uri)[2])
+    return redact(str(error))
 
 
 def probe_server(uri: str, timeout_s: float) -> None:
@@ -80,7 +67,9 @@ def probe_server(uri: str, timeout_s: float) -> None:
             "/api/2.0/mlflow/experiments/search",
             "POST",
             max_retries=0,
-            timeout=timeout_s,
+            # Connecting fails in seconds when nothing listens; the answer may take longer: an
+            # authenticating server hashes a password it has not seen yet (seconds on a busy machine).
+            timeout=(timeout_s, max(timeout_s, 60.0)),
             json={"max_results": 1},
         )
     except Exception as exc:  # MLflow wraps requests' connection, TLS and timeout errors in its own
@@ -111,7 +100,7 @@ def probe_server(uri: str, timeout_s: float) -> None:
 
 def check_tracking_store(uri: str | None = None, timeout_s: float = 5.0) -> str:
     """Fail within seconds if the tracking store at `uri` is unusable; return the resolved URI."""
-    uri = uri or home.tracking_uri()
+    uri = clean_uri(uri or home.tracking_uri())
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme in ("http", "https"):
         probe_server(uri, timeout_s)
@@ -138,7 +127,7 @@ def check_tracking_store(uri: str | None = None, timeout_s: float = 5.0) -> str:
 
 
 def get_client(uri: str | None = None) -> MlflowClient:
-    uri = uri or home.tracking_uri()
+    uri = clean_uri(uri or home.tracking_uri())
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -204,6 +193,8 @@ def start_run(
     given = {**code_version_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     resolved = context_registry.resolve_tags(given)
     resolved.update(given)  # ours win over MLflow's guesses from sys.argv[0]
+    # MLflow's guesses include the checkout's origin URL (`mlflow.source.git.repoURL`), a token and all
+    resolved = {key: redact(value) for key, value in resolved.items()}
     run = get_client(uri).create_run(experiment_id, run_name=run_name, tags=resolved)
     return run.info.run_id
 
@@ -252,7 +243,7 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
         if isinstance(value, Mapping):
             flat.update(flatten_params(value, prefix=f"{full}."))
             continue
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        text = redact(value if isinstance(value, str) else json.dumps(value, default=str))
         if len(text) > MAX_PARAM_VAL_LENGTH:
             text = text[: MAX_PARAM_VAL_LENGTH - len(_TRUNCATION_MARK)] + _TRUNCATION_MARK
         flat[full] = text

@@ -1,0 +1,133 @@
+"""`python -m flows.services up|status|down|add-user`: see flows/services/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flows.processes import ProcessError
+from flows.services import add_user, down, load, running, up
+from flows.services.state import ENV_FILE, ServicesError
+
+
+def default_dir() -> Path:
+    from tasks import home
+
+    return home.home() / "services"
+
+
+def _describe_auth(on: bool) -> str:
+    if not on:
+        return "off (loopback only; `up --auth` turns it on)"
+    return "on (PostgreSQL SCRAM passwords, Prefect API auth string, MLflow basic-auth users)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import flows.services
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.services", description=(flows.services.__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("command", choices=["up", "down", "status", "add-user"])
+    parser.add_argument("user", nargs="?", help="add-user: the MLflow user to create (e.g. worker)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="data directory (default: <LLAMAFLOW_HOME>/services)"
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="up: address the Prefect and MLflow servers listen on (default 127.0.0.1, or the one used "
+        "before); any other address turns authentication on",
+    )
+    parser.add_argument(
+        "--public-host",
+        default=None,
+        help="up: the name clients use for this machine (default: the address, or the machine's name for 0.0.0.0)",
+    )
+    parser.add_argument("--auth", action="store_true", help="up: authentication on loopback too")
+    parser.add_argument(
+        "--pg-user", default="nobody", help="owner of the PostgreSQL cluster when run as root"
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="up: seconds to wait for each server")
+    parser.add_argument(
+        "--experiment",
+        action="append",
+        help="add-user: an experiment it may write to (repeat; default: the presets')",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        help="add-user: a registered model it may register to (repeat; default: the presets')",
+    )
+    parser.add_argument(
+        "--env-file", type=Path, default=None, help="add-user: where to write its environment"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    root = (args.dir or default_dir()).resolve()
+    try:
+        if args.command == "up":
+            services = up(
+                root,
+                host=args.host,
+                public_host=args.public_host,
+                auth=args.auth,
+                pg_user=args.pg_user,
+                timeout_s=args.timeout,
+            )
+            print(
+                f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "
+                f"MLflow UI {services.mlflow_tracking_uri}; data and logs in {root}"
+            )
+            print(f"authentication {_describe_auth(services.auth)}")
+            print(f"# export these: source {root / ENV_FILE}")
+            print(f"export PREFECT_API_URL={services.prefect_api_url}")
+            print(f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}")
+            if services.auth:
+                print(f"# and the administrator's credentials, which {root / ENV_FILE} (mode 0600) exports")
+        elif args.command == "down":
+            down(root)
+            print(f"stopped; data kept in {root}")
+        elif args.command == "add-user":
+            if not args.user:
+                parser.error("add-user needs the user's name: python -m flows.services add-user worker")
+            services = load(root)
+            if services is None:
+                raise ServicesError(
+                    f"no services in {root}: start them first (`python -m flows.services up --auth`)"
+                )
+            env_file = add_user(
+                services, args.user, experiments=args.experiment, models=args.model, env_file=args.env_file
+            )
+            print(
+                f"MLflow user {args.user!r}: EDIT on its experiments and registered models, nothing else; "
+                f"its environment (URLs and credentials, mode 0600) is in {env_file}"
+            )
+        else:
+            services = load(root)
+            if services is None:
+                print(f"no services in {root}")
+                return 1
+            state = running(services)
+            where = {
+                "postgres": services.database_url(""),
+                "prefect": services.prefect_api_url,
+                "mlflow": services.mlflow_tracking_uri,
+            }
+            for name, up_now in state.items():
+                print(f"{name:9s} {'running' if up_now else 'stopped':8s} {where[name]}")
+            print(f"auth      {_describe_auth(services.auth)}")
+            return 0 if all(state.values()) else 1
+    except (ServicesError, ProcessError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""The PostgreSQL cluster of `flows.services`: created, started, recognised and stopped.
+
+It always listens on 127.0.0.1 only (its clients are the Prefect and MLflow servers on this machine). With
+authentication on, every connection needs the `llamaflow` role's password (SCRAM-SHA-256, `pg_hba.conf`
+written here); the role's password is set from a SCRAM verifier computed here, so the plain password reaches
+no server, log or argument list. The servers read it from `PGPASSWORD` (libpq for MLflow, asyncpg for
+Prefect). PostgreSQL refuses to run as root: as root, the cluster belongs to an unprivileged user.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import pwd
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from flows.processes import ProcessIdentity
+from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
+from tasks.credentials import redact, remember_secret
+
+DATABASES = ("prefect", "mlflow", "mlflow_auth")
+PG_PACKAGE_HINT = (
+    "install the PostgreSQL server (Debian/Ubuntu: `apt-get install postgresql`; Fedora: `dnf install "
+    "postgresql-server`; macOS: `brew install postgresql@15`) or put its bin/ directory on PATH"
+)
+# Where distributions put each major version's server programs ({v}: the version).
+VERSIONED_BIN_DIRS = (
+    "/usr/lib/postgresql/{v}/bin",
+    "/usr/pgsql-{v}/bin",
+    "/opt/homebrew/opt/postgresql@{v}/bin",
+    "/usr/local/opt/postgresql@{v}/bin",
+)
+HBA_WITH_AUTH = """\
+# Written by flows.services: a password (SCRAM-SHA-256) for every connection; the server listens on loopback.
+local   all   all                  scram-sha-256
+host    all   all   127.0.0.1/32   scram-sha-256
+host    all   all   ::1/128        scram-sha-256
+"""
+
+
+def data_dir(services: Services) -> Path:
+    return Path(services.root) / "postgres" / "data"
+
+
+def _major(program: str) -> str | None:
+    """The major version of a PostgreSQL program (`15`, or `9.6` before 10), from `--version`."""
+    try:
+        out = subprocess.run([program, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\)\s+(\d+)(?:\.(\d+))?", out)
+    if found is None:
+        return None
+    return found[1] if int(found[1]) >= 10 else f"{found[1]}.{found[2]}"
+
+
+def pg_bin(name: str, data: Path | None = None) -> str:
+    """A PostgreSQL server program. For an existing cluster, of the version that created it (`PG_VERSION`:
+    a server of another major version refuses its data directory); else the one on PATH, else the newest
+    /usr/lib/postgresql/*/bin."""
+    version_file = data / "PG_VERSION" if data is not None else None
+    on_path = shutil.which(name)
+    if version_file is None or not version_file.is_file():
+        if on_path:
+            return on_path
+        found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: float(p.parts[-3]))
+        if found:
+            return str(found[-1])
+        raise ServicesError(f"PostgreSQL's `{name}` was not found: {PG_PACKAGE_HINT}")
+    version = version_file.read_text().strip()
+    if on_path and _major(on_path) == version:
+        return on_path
+    for pattern in VERSIONED_BIN_DIRS:
+        candidate = Path(pattern.format(v=version)) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    other = f" (the one on PATH, {on_path}, is version {_major(on_path)})" if on_path else ""
+    raise ServicesError(
+        f"the PostgreSQL cluster in {data} was created by PostgreSQL {version} and its `{name}` was not "
+        f"found{other}: install PostgreSQL {version}'s server (Debian/Ubuntu: `apt-get install "
+        f"postgresql-{version}`) or upgrade the cluster with pg_upgrade"
+    )
+
+
+def _as_pg_user(services: Services) -> dict[str, int | list[int]]:
+    """Popen arguments that run a PostgreSQL program as the cluster's owner (root may not)."""
+    if os.geteuid() != 0:
+        return {}
+    entry = pwd.getpwnam(services.pg_user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def _pg_run(services: Services, args: Sequence[str], what: str, stdin: str | None = None) -> None:
+    done = subprocess.run(
+        list(args), input=stdin, capture_output=True, text=True, cwd="/", **_as_pg_user(services)
+    )
+    if done.returncode != 0:
+        raise ServicesError(
+            f"{what} failed ({done.returncode}):\n{redact((done.stdout + done.stderr)[-3000:])}"
+        )
+
+
+def _prepare_dir(services: Services) -> Path:
+    pg = Path(services.root) / "postgres"
+    pg.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        try:
+            entry = pwd.getpwnam(services.pg_user)
+        except KeyError as err:
+            raise ServicesError(
+                f"PostgreSQL refuses to run as root and user {services.pg_user!r} does not exist: "
+                "pass --pg-user with an existing unprivileged user"
+            ) from err
+        os.chown(pg, entry.pw_uid, entry.pw_gid)
+        probe = subprocess.run(["test", "-w", str(pg)], **_as_pg_user(services))
+        if probe.returncode != 0:
+            raise ServicesError(
+                f"user {services.pg_user!r} cannot write {pg}: a parent directory is closed to other users "
+                "(e.g. a 0700 temporary directory); choose --dir under a directory it can traverse"
+            )
+    pg.chmod(0o700)  # the cluster, its log and its socket: the owner's only
+    return pg
+
+
+def scram_verifier(password: str, iterations: int = 4096) -> str:
+    """PostgreSQL's stored form of a SCRAM-SHA-256 password (RFC 5802/7677), as `CREATE ROLE` accepts it."""
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    stored_key = hashlib.sha256(hmac.new(salted, b"Client Key", "sha256").digest()).digest()
+    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def postmaster(services: Services) -> ProcessIdentity | None:
+    """The running postmaster of this cluster, recognised by its lock file's pid, start time and data
+    directory; None when the lock file is missing or stale (its pid now belongs to another process)."""
+    data = data_dir(services)
+    try:
+        lines = (data / "postmaster.pid").read_text().splitlines()
+        pid, started = int(lines[0]), float(lines[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    who = ProcessIdentity.of(pid)
+    if who is None or abs(who.started - started) > 5 or str(data) not in who.cmdline:
+        return None
+    return who if who.is_running() else None
+
+
+def running(services: Services) -> bool:
+    return postmaster(services) is not None
+
+
+def running_port(services: Services) -> int | None:
+    try:
+        return int((data_dir(services) / "postmaster.pid").read_text().splitlines()[3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def launch(services: Services) -> list[str]:
+    """What a running cluster must match to be kept (else it is restarted): port, authentication."""
+    return ["postgres", f"port={services.pg_port}", f"auth={services.auth}"]
+
+
+def start(services: Services, secrets: Secrets | None) -> None:
+    pg = _prepare_dir(services)
+    data = data_dir(services)
+    if not (data / "PG_VERSION").is_file():
+        _pg_run(
+            services,
+            [pg_bin("initdb"), "-D", str(data), "-U", DB_USER, "--auth=trust", "-E", "UTF8", "--no-sync"],
+            "initdb",
+        )
+    if secrets is not None:
+        # Before the server starts: no connection is ever accepted without the password.
+        statement = f"ALTER ROLE {DB_USER} PASSWORD '{scram_verifier(secrets.postgres_password)}';\n"
+        _pg_run(
+            services,
+            [pg_bin("postgres", data), "--single", "-j", "-D", str(data), "postgres"],
+            "set",
+            statement,
+        )
+        (data / "pg_hba.conf").write_text(HBA_WITH_AUTH)
+    (data / "postmaster.pid").unlink(missing_ok=True)  # stale: `postmaster()` found no server behind it
+    options = f"-p {services.pg_port} -k {pg} -c listen_addresses={LOOPBACK}"
+    start = [
+        pg_bin("pg_ctl", data),
+        "-D",
+        str(data),
+        "-o",
+        options,
+        "-l",
+        str(pg / "postgres.log"),
+        "-w",
+        "start",
+    ]
+    _pg_run(services, start, "pg_ctl start")
+    create_databases(services, secrets)
+
+
+def connect(services: Services, secrets: Secrets | None, database: str = "postgres", **kwargs: object):  # noqa: ANN201
+    import psycopg  # the `postgres` extra
+
+    password = secrets.postgres_password if secrets is not None else None
+    if password:
+        remember_secret(password)
+    return psycopg.connect(services.database_url(database), password=password, **kwargs)
+
+
+def create_databases(services: Services, secrets: Secrets | None) -> None:
+    with connect(services, secrets, autocommit=True) as conn:
+        for name in DATABASES:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def stop(services: Services) -> None:
+    """Stop this cluster if it runs; a lock file whose pid is someone else's is left alone (no signal)."""
+    data = data_dir(services)
+    if running(services):
+        _pg_run(
+            services, [pg_bin("pg_ctl", data), "-D", str(data), "-m", "fast", "-w", "stop"], "pg_ctl stop"
+        )

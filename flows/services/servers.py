@@ -1,0 +1,160 @@
+"""The Prefect server and the MLflow tracking server of `flows.services`, on the PostgreSQL cluster.
+
+With authentication on, the Prefect server asks every API request for its auth string
+(`PREFECT_SERVER_API_AUTH_STRING`; clients send `PREFECT_API_AUTH_STRING`; `/api/health` stays open for
+probes) and the MLflow server runs MLflow's basic-auth app (`--app-name basic-auth`, the `mlflow[auth]`
+extra): users, passwords and permissions in its own database (`mlflow_auth` on the same cluster), its admin
+created on first start with the generated password. Secrets reach the servers through their environment,
+never their argument lists (which every user of the machine can read).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from flows.processes import ProcessIdentity, start_detached, wait_http
+from flows.services.state import ADMIN_USER, LOOPBACK, Secrets, ServerRecord, Services, is_loopback
+
+SERVERS = ("prefect", "mlflow")
+AUTH_CONFIG = "mlflow-auth.ini"
+# Users without a grant of their own may read every experiment and model (a registry user needs no
+# grant); writing needs EDIT on the experiment or model, given by `python -m flows.services add-user`.
+DEFAULT_PERMISSION = "READ"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a server is started: its argument list, and its environment (secrets only in `secret_env`)."""
+
+    args: list[str]
+    env: dict[str, str]
+    secret_env: dict[str, str]
+    health_url: str
+    log: Path
+    config_file: Path | None = None  # written before the start (no secret in it)
+    config: str = ""
+
+    @property
+    def fingerprint(self) -> list[str]:
+        """What a running server must match to be kept: arguments, environment, configuration file and the
+        names (not the values: it is saved in services.json) of its secret variables."""
+        env = [f"{k}={v}" for k, v in sorted(self.env.items())]
+        return [*self.args, *env, *self.config.splitlines(), *sorted(self.secret_env)]
+
+
+def _base_env() -> dict[str, str]:
+    drop = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_API_AUTH_STRING", "PGPASSWORD")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MLFLOW_TRACKING_")}
+    # uvicorn and gunicorn are started by name: the interpreter's bin/ must be on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    return env
+
+
+def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
+    root = Path(services.root)
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    args = [prefect, "server", "start", "--host", services.host, "--port", str(services.prefect_port)]
+    env = {
+        "PREFECT_HOME": str(root / "prefect"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg"),
+        # The UI's own calls to the API: the address browsers reach, not the one the server binds.
+        "PREFECT_UI_API_URL": services.prefect_api_url,
+    }
+    secret_env = {}
+    if secrets is not None:
+        secret_env = {
+            "PGPASSWORD": secrets.postgres_password,
+            "PREFECT_SERVER_API_AUTH_STRING": secrets.prefect_auth_string,
+        }
+    health = f"http://{_probe_host(services)}:{services.prefect_port}/api/health"
+    return Launch([*args, "--analytics-off"], env, secret_env, health, root / "prefect-server.log")
+
+
+def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> Launch:
+    root = Path(services.root)
+    mlflow = str(Path(sys.executable).with_name("mlflow"))
+    args = [
+        mlflow,
+        "server",
+        "--host",
+        services.host,
+        "--port",
+        str(services.mlflow_port),
+        "--backend-store-uri",
+        services.database_url("mlflow", "psycopg"),
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(root / "mlflow-artifacts"),
+        "--workers",
+        str(workers),
+        # uvicorn kills a worker that misses a 5 s health check: on a loaded machine, one still importing
+        # MLflow's auth app would be killed and restarted over and over.
+        "--uvicorn-opts",
+        "--timeout-worker-healthcheck 60",
+    ]
+    if not is_loopback(services.host):
+        # MLflow answers only Host headers it knows (DNS rebinding): localhost and private addresses by default.
+        public = services.public_host
+        args += ["--allowed-hosts", f"localhost,localhost:*,127.0.0.1,127.0.0.1:*,{public},{public}:*"]
+    health = f"http://{_probe_host(services)}:{services.mlflow_port}/health"
+    if secrets is None:
+        return Launch(args, {}, {}, health, root / "mlflow-server.log")
+    env = {"MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG), "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER}
+    secret_env = {
+        "PGPASSWORD": secrets.postgres_password,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.mlflow_admin_password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.mlflow_flask_secret_key,
+    }
+    return Launch(
+        [*args, "--app-name", "basic-auth"],
+        env,
+        secret_env,
+        health,
+        root / "mlflow-server.log",
+        root / AUTH_CONFIG,
+        _auth_config(services),
+    )
+
+
+def _probe_host(services: Services) -> str:
+    """Where this machine asks a server whether it is up: loopback when it listens on every address."""
+    host = LOOPBACK if services.host in ("0.0.0.0", "::", "") else services.host
+    return f"[{host}]" if ":" in host else host
+
+
+def _auth_config(services: Services) -> str:
+    """MLflow's basic-auth settings (no secret in them: the admin password comes from the environment).
+
+    Checking a password costs a PBKDF2 hash (Werkzeug's default: about 2 s a request on a loaded 2-core
+    machine), which would make every metric upload that slow: a successful check is cached for 60 s per
+    server worker. A password changed through the API on one worker may still work on another for as long.
+    """
+    return (
+        "[mlflow]\n"
+        f"default_permission = {DEFAULT_PERMISSION}\n"
+        f"database_uri = {services.database_url('mlflow_auth', 'psycopg')}\n"
+        f"admin_username = {ADMIN_USER}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "auth_cache_ttl_seconds = 60\n"
+    )
+
+
+def start(name: str, launch: Launch, services: Services, timeout_s: float) -> ServerRecord:
+    """Start server `name` as `launch` says, wait until it answers, and return who it is."""
+    root = Path(services.root)
+    (root / "prefect").mkdir(exist_ok=True)
+    (root / "mlflow-artifacts").mkdir(exist_ok=True)
+    if launch.config_file is not None:
+        launch.config_file.write_text(launch.config)
+    env = {**_base_env(), **launch.env, **launch.secret_env}
+    pid = start_detached(launch.args, env, launch.log)
+    identity = ProcessIdentity.of(pid) or ProcessIdentity(pid, 0.0, tuple(launch.args))
+    record = ServerRecord(pid, identity.started, list(identity.cmdline), launch.fingerprint)
+    services.servers[name] = record
+    what = "the Prefect server" if name == "prefect" else "the MLflow server"
+    wait_http(launch.health_url, pid, launch.log, what, timeout_s)
+    return record

@@ -1,0 +1,200 @@
+"""What `flows.services` keeps in its directory: `services.json` (ports, addresses, whether authentication is
+on, each server's process identity and launch), `secrets.json` (every generated secret, mode 0600) and the
+client environments (`env.sh` for the operator, `users/NAME.env` for a worker; mode 0600 once they hold
+credentials). Secrets go into files only, never into a URL, an argument list or the output.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import shlex
+import socket
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flows.processes import ProcessIdentity
+
+STATE_FILE = "services.json"
+SECRETS_FILE = "secrets.json"
+ENV_FILE = "env.sh"
+USERS_DIR = "users"
+DB_USER = "llamaflow"
+ADMIN_USER = "admin"
+LOOPBACK = "127.0.0.1"
+
+
+class ServicesError(RuntimeError):
+    """The stores cannot be started, stopped or changed; the message says why and what to do."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass
+class ServerRecord:
+    """A server this directory started: who it is (pid, start time, command line) and how it was launched."""
+
+    pid: int
+    started: float
+    cmdline: list[str]
+    launch: list[str]
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.started, tuple(self.cmdline))
+
+
+@dataclass
+class Services:
+    root: str
+    pg_port: int
+    prefect_port: int
+    mlflow_port: int
+    pg_user: str
+    host: str = LOOPBACK
+    public_host: str = LOOPBACK
+    auth: bool = False
+    pg_launch: list[str] = field(default_factory=list)  # how the running cluster was started
+    servers: dict[str, ServerRecord] = field(default_factory=dict)
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://{_url_host(self.public_host)}:{self.prefect_port}/api"
+
+    @property
+    def mlflow_tracking_uri(self) -> str:
+        return f"http://{_url_host(self.public_host)}:{self.mlflow_port}"
+
+    @property
+    def prefect_ui_url(self) -> str:
+        return self.prefect_api_url.removesuffix("/api")
+
+    def database_url(self, database: str, driver: str = "") -> str:
+        """PostgreSQL on loopback, without a password (the servers read it from PGPASSWORD)."""
+        scheme = f"postgresql+{driver}" if driver else "postgresql"
+        return f"{scheme}://{DB_USER}@{LOOPBACK}:{self.pg_port}/{database}"
+
+    def client_env(self, mlflow_user: str | None = ADMIN_USER) -> dict[str, str]:
+        """What a client needs: the two URLs and, with authentication on, the credentials in the variables
+        Prefect and MLflow read (never in the URLs). `mlflow_user`: whose MLflow credentials."""
+        env = {"PREFECT_API_URL": self.prefect_api_url, "MLFLOW_TRACKING_URI": self.mlflow_tracking_uri}
+        if self.auth:
+            kept = Secrets.load(Path(self.root))
+            env["PREFECT_API_AUTH_STRING"] = kept.prefect_auth_string
+            if mlflow_user is not None:
+                env["MLFLOW_TRACKING_USERNAME"] = mlflow_user
+                env["MLFLOW_TRACKING_PASSWORD"] = kept.mlflow_password(mlflow_user)
+        return env
+
+
+@dataclass
+class Secrets:
+    """Every generated secret of one services directory (`secrets.json`, mode 0600)."""
+
+    postgres_password: str
+    prefect_auth_string: str
+    mlflow_admin_password: str
+    mlflow_flask_secret_key: str
+    mlflow_users: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def generate() -> str:
+        return secrets.token_urlsafe(24)
+
+    @classmethod
+    def load(cls, root: Path) -> Secrets:
+        path = root / SECRETS_FILE
+        if not path.is_file():
+            raise ServicesError(f"{path} does not exist: authentication is on but its secrets are gone")
+        return cls(**json.loads(path.read_text()))
+
+    @classmethod
+    def load_or_create(cls, root: Path) -> Secrets:
+        if (root / SECRETS_FILE).is_file():
+            return cls.load(root)
+        kept = cls(
+            postgres_password=cls.generate(),
+            prefect_auth_string=f"{ADMIN_USER}:{cls.generate()}",
+            mlflow_admin_password=cls.generate(),
+            mlflow_flask_secret_key=cls.generate(),
+        )
+        kept.save(root)
+        return kept
+
+    def save(self, root: Path) -> None:
+        write_private(root / SECRETS_FILE, json.dumps(asdict(self), indent=2))
+
+    def mlflow_password(self, user: str) -> str:
+        if user == ADMIN_USER:
+            return self.mlflow_admin_password
+        if user not in self.mlflow_users:
+            raise ServicesError(
+                f"no MLflow user {user!r} was created here: `python -m flows.services add-user {user}`"
+            )
+        return self.mlflow_users[user]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only, from the first byte on (then renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.unlink(missing_ok=True)
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(scratch, path)
+
+
+def shell_exports(env: Mapping[str, str]) -> str:
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
+def env_file_lines(env: Mapping[str, str]) -> str:
+    """KEY=VALUE lines: a Docker `--env-file`, a systemd `EnvironmentFile=`, `kubectl create secret generic
+    --from-env-file`, or `set -a; . FILE; set +a` in a shell (the values are URL-safe, no quoting needed)."""
+    return "".join(f"{key}={value}\n" for key, value in env.items())
+
+
+def advertised_host(host: str) -> str:
+    """The address clients use: the bound address, or this machine's name when bound to every address."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.getfqdn()
+    return host
+
+
+def load(root: Path) -> Services | None:
+    path = root / STATE_FILE
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    data.pop("pids", None)  # an older layout without process identities: nothing of it can be trusted
+    data["servers"] = {name: ServerRecord(**record) for name, record in data.get("servers", {}).items()}
+    return Services(**data)
+
+
+def save(services: Services) -> None:
+    root = Path(services.root)
+    (root / STATE_FILE).write_text(json.dumps(asdict(services), indent=2))
+    env = services.client_env()
+    text = "# Generated by `python -m flows.services`: source it to talk to these stores.\n" + shell_exports(
+        env
+    )
+    if services.auth:
+        write_private(root / ENV_FILE, text)
+    else:
+        (root / ENV_FILE).write_text(text)
