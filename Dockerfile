@@ -43,4 +43,6 @@ COPY model model
 COPY prefect.yaml constraints-cpu.txt ./
 RUN pip install --no-deps . && mkdir -p "$LLAMAFLOW_HOME"
 
-CMD ["prefect", "worker", "start", "--pool", "gpu-pool"]
+# Checks the Prefect and MLflow credentials it was given (docker run --env-file worker.env, a Kubernetes
+# Secret), then becomes `prefect worker start`; see docs/production.md section 3.
+CMD ["python", "-m", "flows.worker", "--pool", "gpu-pool"]

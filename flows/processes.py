@@ -107,10 +107,21 @@ def stop_tree(pid: int, grace_s: float = 10.0) -> None:
     own = {proc.pid for proc in procs}
     for proc in procs:
         _signal(proc.pid, signal.SIGTERM, own)
-    _, left = psutil.wait_procs(procs, timeout=grace_s)
+    left = _wait_gone(procs, grace_s)
     for proc in left:
         _signal(proc.pid, signal.SIGKILL, own)
-    psutil.wait_procs(left, timeout=5)
+    _wait_gone(left, 5.0)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until `procs` have exited (a zombie whose parent does not reap it counts as exited)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        psutil.wait_procs(procs, timeout=0)  # reaps this process's own children
+        left = [proc for proc in procs if alive(proc.pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _signal(pid: int, sig: signal.Signals, own: set[int]) -> None:

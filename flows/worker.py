@@ -18,7 +18,7 @@ import os
 import sys
 import urllib.parse
 
-from tasks.credentials import CredentialsError, redact_uri
+from tasks.credentials import CredentialsError, guard_credentials, redact_uri
 
 
 class WorkerSetupError(RuntimeError):
@@ -69,11 +69,15 @@ def check_prefect(pool: str, timeout_s: float = 30.0) -> None:
 
 
 def check_mlflow() -> None:
-    """The MLflow store this worker's runs will write to accepts its credentials (a no-op for SQLite)."""
+    """The MLflow store this worker's runs will write to accepts its credentials. Without
+    MLFLOW_TRACKING_URI each run uses an embedded store of its own: nothing to check here."""
     from tasks.tracking.store import TrackingStoreUnavailable, check_tracking_store
 
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
     try:
-        check_tracking_store()
+        check_tracking_store(uri)
     except TrackingStoreUnavailable as err:
         raise WorkerSetupError(str(err)) from None
 
@@ -86,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", "-p", required=True, help="the work pool to serve (e.g. gpu-pool)")
     args, rest = parser.parse_known_args(argv)
     try:
-        from tasks.home import apply_embedded_defaults
-
-        apply_embedded_defaults()  # first: takes credentials out of the store URIs
+        # First, and nothing else of the entry points' defaults: the flow runs this worker starts apply
+        # those themselves, in their own working directories.
+        guard_credentials()
         check_prefect(args.pool)
         check_mlflow()
     except (CredentialsError, WorkerSetupError) as err:

@@ -1,7 +1,9 @@
-"""Production across machines, end to end (issue 13.4): real PostgreSQL, Prefect server and MLflow server from
-`flows.services`; `prefect deploy` from a clone of the repository; that clone deleted; a worker in another
-directory, with its own environment, home and caches, that clones and installs the deployed commit; a tiny
-adhoc run; the registered model loaded and served from a third directory that knows only the MLflow URL.
+"""Production across machines, end to end (issue 13.4), with authentication on (issue 32): real PostgreSQL,
+Prefect server and MLflow server from `flows.services --auth`; `prefect deploy` from a clone of the
+repository; that clone deleted; a worker in another directory, with its own environment, home and caches and
+the least-privilege MLflow user's credentials (given inside its URIs: taken out at its door), that clones and
+installs the deployed commit; a tiny adhoc run; the registered model loaded and served from a third
+directory that knows only the MLflow URL and a user; no password in anything the worker printed.
 
 The worker's environment: a virtual environment of its own that sees the test environment's installed
 dependencies read-only (a `.pth` line, like a pre-built worker image); the pull step installs the project
@@ -34,7 +36,8 @@ from prefect_server import publish_snapshot as _publish_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
-CONFIG = {**TINY_RUN, "max_steps": 4}
+# fp32: CPUs without AVX-512 BF16 run bf16 matmuls at a fraction of fp32's speed; precision is not under test.
+CONFIG = {**TINY_RUN, "max_steps": 4, "dtype": "fp32"}
 # What a worker, a deployer or a registry user must not inherit from the test session.
 PRIVATE = ("PYTHONPATH", "VIRTUAL_ENV", "LLAMAFLOW_HOME", "LLAMAFLOW_MLRUNS", "TORCHINDUCTOR_CACHE_DIR")
 
@@ -90,11 +93,23 @@ def root() -> Iterator[Path]:
 
 @pytest.mark.e2e
 def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_elsewhere(root: Path) -> None:
-    services = stores.up(root / "services")
+    services = stores.up(root / "services", auth=True)
     worker = None
     try:
-        api = {"PREFECT_API_URL": services.prefect_api_url}
-        tracking = {"MLFLOW_TRACKING_URI": services.mlflow_tracking_uri}
+        admin = services.client_env()
+        api = {k: admin[k] for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+        name = f"prod-{uuid.uuid4().hex[:8]}"
+        # The worker's MLflow user: EDIT on the experiment and the two models this test registers, nothing else.
+        worker_file = stores.add_user(
+            services, "worker", experiments=["llamaflow-tiny"], models=[name, f"{name}-split"]
+        )
+        worker_creds = dict(line.split("=", 1) for line in worker_file.read_text().splitlines())
+        password = worker_creds["MLFLOW_TRACKING_PASSWORD"]
+        tracking = {
+            "MLFLOW_TRACKING_URI": services.mlflow_tracking_uri,
+            "MLFLOW_TRACKING_USERNAME": "worker",
+            "MLFLOW_TRACKING_PASSWORD": password,
+        }
 
         # The deployer: a clone of the remote, `prefect deploy` from it, then the clone is gone.
         origin = _publish_snapshot(root)
@@ -109,12 +124,13 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         shutil.rmtree(deployer)
 
         from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-        with (
-            temporary_settings(updates={PREFECT_API_URL: services.prefect_api_url}),
-            get_client(sync_client=True) as client,
-        ):
+        prefect_settings = {
+            PREFECT_API_URL: services.prefect_api_url,
+            PREFECT_API_AUTH_STRING: api["PREFECT_API_AUTH_STRING"],
+        }
+        with temporary_settings(updates=prefect_settings), get_client(sync_client=True) as client:
             adhoc = client.read_deployment_by_name("pretrain/adhoc")
         clone_step, install_step = adhoc.pull_steps
         assert clone_step["prefect.deployments.steps.git_clone"]["repository"] == str(origin)
@@ -122,12 +138,33 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         assert "pip_install_requirements" in next(iter(install_step))
         assert str(deployer) not in json.dumps(adhoc.model_dump(mode="json"))
 
-        # The worker: another directory, its own environment, home and caches; it reaches the servers only.
+        # The worker: another directory, its own environment (the project installed from a checkout that is
+        # then gone), home and caches; it reaches the servers only, its credentials given inside the URIs.
         place = root / "worker"
         python = _worker_venv(place / "venv")
+        checkout = root / "worker-checkout"
+        _git(["clone", "-q", str(origin), str(checkout)], root)
+        subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--no-build-isolation",
+                str(checkout),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        shutil.rmtree(checkout)
+        scheme, rest = services.mlflow_tracking_uri.split("://", 1)
+        api_scheme, api_rest = services.prefect_api_url.split("://", 1)
         worker_env = _env(
-            **api,
-            **tracking,
+            PREFECT_API_URL=f"{api_scheme}://{api['PREFECT_API_AUTH_STRING']}@{api_rest}",
+            MLFLOW_TRACKING_URI=f"{scheme}://worker:{password}@{rest}",
             PATH=f"{python.parent}{os.pathsep}{os.environ['PATH']}",
             PREFECT_HOME=str(place / "prefect"),
             LLAMAFLOW_HOME=str(place / "home"),
@@ -138,7 +175,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         )
         worker_log = root / "worker.log"
         worker = start(
-            [str(python), "-m", "prefect", "worker", "start", "--pool", "gpu-pool"],
+            [str(python), "-m", "flows.worker", "--pool", "gpu-pool"],
             worker_env,
             place,
             worker_log,
@@ -147,7 +184,6 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         # An operator triggers the run from yet another place.
         operator = root / "operator"
         operator.mkdir()
-        name = f"prod-{uuid.uuid4().hex[:8]}"
         flow_run_id, output = deployment_run_cli(
             "pretrain/adhoc",
             {"config": {**CONFIG, "model_name": name}},
@@ -155,7 +191,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
             operator,
             timeout_s=RUN_TIMEOUT_S,
         )
-        with temporary_settings(updates={PREFECT_API_URL: services.prefect_api_url}):
+        with temporary_settings(updates=prefect_settings):
             run = wait_for_flow_run(flow_run_id, 30, worker_log)
         assert run.state.type.value == "COMPLETED", (
             f"{run.state.message}\n{output[-3000:]}\n{tail(worker_log)}"
@@ -176,6 +212,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         # machine), the training run uses the worker's; inputs and checkpoint travel as MLflow artifacts.
         data_home = root / "data-machine-home"
         split_config = {**CONFIG, "seq_len": 48, "model_name": f"{name}-split", "placement": "deployment"}
+        first_output = output
         split_id, output = deployment_run_cli(
             "pretrain/adhoc",
             {"config": split_config},
@@ -184,7 +221,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
             job_variables={"env": {"LLAMAFLOW_HOME": str(data_home)}},
             timeout_s=RUN_TIMEOUT_S,
         )
-        with temporary_settings(updates={PREFECT_API_URL: services.prefect_api_url}):
+        with temporary_settings(updates=prefect_settings):
             split = wait_for_flow_run(split_id, 30, worker_log)
         assert split.state.type.value == "COMPLETED", (
             f"{split.state.message}\n{output[-3000:]}\n{tail(worker_log)}"
@@ -195,7 +232,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         handed_back = sorted((data_home / "runs" / str(split_id)).glob("step_*"))
         assert [p.name for p in handed_back] == [trained[-1].name]  # only the final checkpoint came back
 
-        # A registry user: only the MLflow URL, in a third directory.
+        # A registry user: only the MLflow URL and a user (reading needs no grant), in a third directory.
         user = root / "user"
         user.mkdir()
         user_env = _env(**tracking)
@@ -240,6 +277,9 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
             assert isinstance(generated, str) and generated, answer
         finally:
             stop_tree(server.pid)
+        shown = tail(worker_log, 10_000_000) + first_output + output
+        leaks = [s[:4] for s in (password, api["PREFECT_API_AUTH_STRING"].partition(":")[2]) if s in shown]
+        assert leaks == [], "a password in the worker's or the operator's output"
     finally:
         if worker is not None:
             stop_tree(worker.pid)

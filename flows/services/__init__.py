@@ -21,8 +21,8 @@ with the `postgres` extra (asyncpg for Prefect, psycopg for MLflow), MLflow's au
 `apt-get install postgresql`; Fedora: `dnf install postgresql-server`; macOS: `brew install postgresql@15`).
 """
 
-from flows.services.lifecycle import down, running, up
+from flows.services.lifecycle import configure, down, running, up
 from flows.services.state import Secrets, Services, ServicesError, load
 from flows.services.users import add_user
 
-__all__ = ["Secrets", "Services", "ServicesError", "add_user", "down", "load", "running", "up"]
+__all__ = ["Secrets", "Services", "ServicesError", "add_user", "configure", "down", "load", "running", "up"]

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="up: seconds to wait for each server")
     parser.add_argument(
+        "--mlflow-workers", type=int, default=2, help="up: the MLflow server's worker processes"
+    )
+    parser.add_argument(
         "--experiment",
         action="append",
         help="add-user: an experiment it may write to (repeat; default: the presets')",
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 auth=args.auth,
                 pg_user=args.pg_user,
                 timeout_s=args.timeout,
+                mlflow_workers=args.mlflow_workers,
             )
             print(
                 f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "

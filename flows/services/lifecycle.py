@@ -39,6 +39,30 @@ def _launches(services: Services, secrets: Secrets | None, mlflow_workers: int) 
     }
 
 
+def configure(
+    root: Path,
+    *,
+    host: str | None = None,
+    public_host: str | None = None,
+    auth: bool = False,
+    pg_user: str = "nobody",
+) -> tuple[Services, Secrets | None]:
+    """The services of `root` as asked (its saved state, then the arguments), and their secrets when
+    authentication is on; nothing is started. Authentication is on when asked (`auth`), when listening
+    beyond loopback, or when it was on before: it is never turned off for a directory."""
+    root = root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    services = load(root) or Services(str(root), free_port(), free_port(), free_port(), pg_user)
+    services.pg_user = pg_user
+    services.host = host or services.host
+    if public_host:
+        services.public_host = public_host
+    elif host is not None:
+        services.public_host = LOOPBACK if is_loopback(host) else advertised_host(host)
+    services.auth = services.auth or auth or not is_loopback(services.host)
+    return services, (Secrets.load_or_create(root) if services.auth else None)
+
+
 def up(
     root: Path,
     *,
@@ -49,21 +73,9 @@ def up(
     timeout_s: float = 180.0,
     mlflow_workers: int = 2,
 ) -> Services:
-    """Start whatever of the three is not running as asked; returns the services (URLs, ports, processes).
-
-    Authentication is on when asked (`auth`), when listening beyond loopback, or when it was on before:
-    it is never turned off for a directory (`down`, then a new directory, for stores without it).
-    """
-    root = root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    services = load(root) or Services(str(root), free_port(), free_port(), free_port(), pg_user)
-    services.pg_user = pg_user
-    services.host = host or services.host
-    services.public_host = public_host or (
-        services.public_host if host is None else LOOPBACK if is_loopback(host) else advertised_host(host)
-    )
-    services.auth = services.auth or auth or not is_loopback(services.host)
-    secrets = Secrets.load_or_create(root) if services.auth else None
+    """Start whatever of the three is not running as asked (see `configure`); returns the services (URLs,
+    ports, processes)."""
+    services, secrets = configure(root, host=host, public_host=public_host, auth=auth, pg_user=pg_user)
     state = running(services)
     started: list[str] = []
     try:

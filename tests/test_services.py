@@ -1,0 +1,500 @@
+"""`flows.services` with authentication on, on 127.0.0.1 (one set of stores for the module): each server
+refuses a request without credentials and accepts the clients'; a whole tiny flow given its credentials
+inside the URIs completes, registers as a least-privilege MLflow user, and nothing it printed or stored
+holds a password; a worker with wrong credentials stops at its start with one line; Prefect's logs and
+state messages, the flow-run URL tag and placement errors never show one. Then the lifecycle: a failed
+`up` leaves what ran, PostgreSQL moved to another port takes both servers along, strangers holding saved
+pids are neither trusted nor signalled, and ports in TIME_WAIT count as free.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows import services as stores
+from flows.processes import free_port, port_is_free, stop_tree
+from flows.services import postgres, servers
+from prefect_server import TINY_RUN
+
+pytestmark = pytest.mark.e2e
+MLFLOW_WORKERS = 1  # one uvicorn process: the smallest server that is still the real one
+# fp32: CPUs without AVX-512 BF16 run bf16 matmuls at a fraction of fp32's speed; precision is not under test.
+RUN = {**TINY_RUN, "max_steps": 4, "dtype": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[Path]:
+    # Not pytest's tmp_path: PostgreSQL runs as an unprivileged user, who must be able to enter it.
+    path = Path(tempfile.mkdtemp(prefix="llamaflow-services-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def services(base: Path) -> Iterator[stores.Services]:
+    try:
+        yield stores.up(base / "stores", auth=True, mlflow_workers=MLFLOW_WORKERS)
+    finally:
+        stores.down(base / "stores")
+
+
+@pytest.fixture(scope="module")
+def worker_env(services: stores.Services) -> dict[str, str]:
+    env_file = stores.add_user(services, "worker")
+    return dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+
+
+def _status(url: str, body: object, auth: str | None = None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_each_server_refuses_a_request_without_credentials_and_accepts_the_clients(
+    services: stores.Services,
+) -> None:
+    import psycopg
+
+    env = services.client_env()
+    flows_url = f"{services.prefect_api_url}/flows/filter"
+    assert _status(flows_url, {}) == 401
+    assert _status(flows_url, {}, "admin:wrong") == 401
+    assert _status(flows_url, {}, env["PREFECT_API_AUTH_STRING"]) == 200
+
+    search = f"{services.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search"
+    admin = f"{env['MLFLOW_TRACKING_USERNAME']}:{env['MLFLOW_TRACKING_PASSWORD']}"
+    assert _status(search, {"max_results": 1}) == 401
+    assert _status(search, {"max_results": 1}, "admin:wrong") == 401
+    assert _status(search, {"max_results": 1}, admin) == 200
+
+    for password, refusal in ((None, "no password supplied"), ("wrong", "password authentication failed")):
+        with pytest.raises(psycopg.OperationalError, match=refusal):
+            psycopg.connect(services.database_url("mlflow"), password=password, connect_timeout=30).close()
+    kept = stores.Secrets.load(Path(services.root))
+    with psycopg.connect(services.database_url("mlflow"), password=kept.postgres_password) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_status_says_authentication_is_on_and_secrets_stay_in_private_files(
+    services: stores.Services, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flows.services.__main__ import main
+
+    root = Path(services.root)
+    assert main(["status", "--dir", str(root)]) == 0
+    shown = capsys.readouterr().out
+    assert "auth      on" in shown and "mlflow    running" in shown
+    kept = stores.Secrets.load(root)
+    secrets = [kept.postgres_password, kept.prefect_auth_string, kept.mlflow_admin_password]
+    assert not [s for s in secrets if s in shown]
+    for name in ("secrets.json", "env.sh"):
+        assert (root / name).stat().st_mode & 0o777 == 0o600, name
+    exports = (root / "env.sh").read_text()
+    assert f"export PREFECT_API_AUTH_STRING={kept.prefect_auth_string}" in exports
+    assert f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}\n" in exports  # no user-info in URLs
+    assert "@" not in services.prefect_api_url + services.mlflow_tracking_uri
+    for launch in (servers.prefect_launch(services, kept), servers.mlflow_launch(services, kept, 1)):
+        assert not [s for s in secrets if s in " ".join(launch.fingerprint)]  # argument lists are public
+
+
+def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_or_manage_users(
+    services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, worker_env[key])
+    client = MlflowClient(services.mlflow_tracking_uri, services.mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name("llamaflow-tiny")
+    run = client.create_run(experiment.experiment_id)
+    client.log_metric(run.info.run_id, "probe", 1.0)
+    client.set_terminated(run.info.run_id)
+    forbidden = [
+        lambda: client.delete_experiment(experiment.experiment_id),
+        lambda: client.delete_run(run.info.run_id),
+        lambda: client.delete_registered_model("llamaflow-tiny"),
+        lambda: _auth_client(services).create_user("intruder", "Intruder-password-1"),
+        lambda: _auth_client(services).update_user_admin("worker", True),
+    ]
+    for attempt in forbidden:
+        with pytest.raises(MlflowException, match="403"):
+            attempt()
+
+
+def _auth_client(services: stores.Services):  # noqa: ANN202
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from mlflow.server.auth.client import AuthServiceClient
+    return AuthServiceClient(services.mlflow_tracking_uri)
+
+
+def _cli_flags(config: dict[str, object]) -> list[str]:
+    flags = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{key.replace('_', '-')}")
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _with_userinfo(url: str, user: str, password: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
+def _texts_under(root: Path, skip: set[Path]) -> Iterator[tuple[Path, bytes]]:
+    for path in root.rglob("*"):
+        if path.is_file() and path not in skip and path.stat().st_size < 50_000_000:
+            yield path, path.read_bytes()
+
+
+def _dump(services: stores.Services, database: str) -> bytes:
+    kept = stores.Secrets.load(Path(services.root))
+    dump = postgres.pg_bin("pg_dump", postgres.data_dir(services))
+    done = subprocess.run(
+        [dump, "--data-only", services.database_url(database)],
+        env={**os.environ, "PGPASSWORD": kept.postgres_password},
+        capture_output=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none_of_them(
+    services: stores.Services, worker_env: dict[str, str], base: Path
+) -> None:
+    """The issue's reproduction: MLFLOW_TRACKING_URI=http://worker:PASSWORD@... (and the Prefect API URL
+    alike) on the command line. The run registers as the least-privilege worker; then everything it
+    printed and everything both stores hold (their databases, artifact files, logs) is searched."""
+    root = Path(services.root)
+    kept = stores.Secrets.load(root)
+    mlflow_password = worker_env["MLFLOW_TRACKING_PASSWORD"]
+    prefect_password = kept.prefect_auth_string.partition(":")[2]
+    place = base / "cli"
+    place.mkdir()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "MLFLOW_")) and k not in ("PYTHONPATH", "PGPASSWORD")
+    }
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        PREFECT_HOME=str(place / "prefect"),
+        MLFLOW_TRACKING_URI=_with_userinfo(services.mlflow_tracking_uri, "worker", mlflow_password),
+        PREFECT_API_URL=_with_userinfo(services.prefect_api_url, "admin", prefect_password),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.pretrain", *_cli_flags(RUN)],
+        cwd=place,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert "registered: models:/llamaflow-tiny/" in output
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = (
+        "admin",
+        kept.mlflow_admin_password,
+    )
+    try:
+        client = MlflowClient(services.mlflow_tracking_uri, services.mlflow_tracking_uri)
+        found = client.search_runs([client.get_experiment_by_name("llamaflow-tiny").experiment_id])
+        (run,) = [r for r in found if "prefect.flow_run_id" in r.data.tags]  # the flow's, not a probe's
+    finally:
+        del os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]
+    assert run.data.tags["prefect.flow_run_url"].startswith(services.prefect_ui_url)
+    assert run.data.params  # the search below covers them (the mlflow database)
+
+    private = {root / "secrets.json", root / "env.sh", root / "users" / "worker.env"}
+    stored: list[tuple[str, bytes]] = [("output", output.encode())]
+    stored += [(f"database {name}", _dump(services, name)) for name in postgres.DATABASES]
+    cluster = set((root / "postgres" / "data").rglob("*"))  # its content is in the dumps; its log is searched
+    stored += [(str(p), data) for p, data in _texts_under(root, private | cluster)]
+    stored += [(str(p), data) for p, data in _texts_under(place, set())]
+    home = Path(os.environ["LLAMAFLOW_HOME"]) / "runs"
+    stored += [(str(p), data) for p, data in _texts_under(home, set())]
+    assert run.info.run_id.encode() in b"".join(data for _, data in stored[1:3])  # the search sees the run
+    assert any("mlflow-artifacts" in name for name, _ in stored)  # and its artifact files
+    secrets = [mlflow_password, prefect_password, kept.postgres_password, kept.mlflow_admin_password]
+    leaks = [(name, secret[:4]) for name, data in stored for secret in secrets if secret.encode() in data]
+    assert leaks == []
+
+
+def test_a_worker_with_wrong_credentials_stops_at_its_start_with_one_line(
+    services: stores.Services, worker_env: dict[str, str]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(worker_env, PREFECT_HOME=str(Path(services.root).parent / "worker-prefect"))
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    command = [sys.executable, "-m", "flows.worker", "--pool", "credential-check-pool"]
+
+    def start(**changes: str) -> list[str]:
+        done = subprocess.run(command, env={**env, **changes}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stdout + done.stderr
+        return done.stderr.strip().splitlines()
+
+    (line,) = start(PREFECT_API_AUTH_STRING="admin:wrong")
+    assert line.startswith(
+        f"error: the Prefect API at {services.prefect_api_url} refused this worker's credentials"
+    )
+    (line,) = start()  # the right credentials: the pool is missing
+    assert line.startswith("error: work pool 'credential-check-pool' does not exist")
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    settings = {
+        PREFECT_API_URL: services.prefect_api_url,
+        PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"],
+    }
+    with temporary_settings(updates=settings), get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="credential-check-pool", type="process"))
+    (line,) = start(MLFLOW_TRACKING_PASSWORD="wrong-password")
+    assert line.startswith(
+        f"error: MLflow tracking server at {services.mlflow_tracking_uri} refused the credentials"
+    )
+    assert "wrong-password" not in line
+
+
+def test_prefect_logs_states_tags_and_placement_errors_show_no_credentials(
+    services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The places themselves, given a credentialed URI behind the door's back: a Prefect API URL holding
+    the auth string (placement's error), and an MLflow URI holding a password passed to a task whose
+    MLflow call fails (Prefect's logs, the flow run's parameters and the task's state message)."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.config import PretrainConfig
+    from flows.placement import PlacementError, check_placement
+    from tasks.tracking import store
+
+    kept = stores.Secrets.load(Path(services.root))
+    prefect_password = kept.prefect_auth_string.partition(":")[2]
+    mlflow_password = worker_env["MLFLOW_TRACKING_PASSWORD"]
+    api = _with_userinfo(services.prefect_api_url, "admin", prefect_password)
+    closed = free_port()
+    tracking = _with_userinfo(f"http://127.0.0.1:{closed}", "worker", mlflow_password)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(key, raising=False)
+
+    @task(retries=0)
+    def look_up(uri: str) -> str:
+        return store.run_status("0" * 32, uri)
+
+    @flow(name="credentials-places")
+    def places(uri: str) -> str:
+        return look_up(uri)
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        with pytest.raises(PlacementError) as refused:
+            check_placement(
+                PretrainConfig(preset="tiny", placement="deployment", train_deployment="x/nowhere")
+            )
+        state = places(tracking, return_state=True)
+        APILogHandler.flush()
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(state.state_details.flow_run_id)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+    assert state.is_failed()
+    shown = [str(refused.value), json.dumps(flow_run.parameters), str(state.message)]
+    shown += [log.message for log in logs] + [str(t.state.message) for t in task_runs]
+    text = "\n".join(shown)
+    assert f"127.0.0.1:{closed}" in text  # MLflow's failure is there, with the URL it asked
+    assert "x/nowhere" in text and "admin:***@" in text
+    leaks = [secret[:4] for secret in (prefect_password, mlflow_password) if secret in text]
+    assert leaks == []
+
+
+def test_the_flow_run_url_tag_holds_no_credentials(services: stores.Services) -> None:
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.tracking import runs
+
+    kept = stores.Secrets.load(Path(services.root))
+    prefect_password = kept.prefect_auth_string.partition(":")[2]
+
+    @flow(name="credentials-tag")
+    def tagged() -> dict[str, str]:
+        return runs.flow_run_tags()
+
+    with temporary_settings(
+        updates={PREFECT_API_URL: _with_userinfo(services.prefect_api_url, "admin", prefect_password)}
+    ):
+        tags = tagged()
+    assert tags["prefect.flow_run_url"].startswith(
+        services.prefect_ui_url.replace("http://", "http://admin:***@")
+    )
+    assert prefect_password not in json.dumps(tags)
+
+
+def test_a_failed_up_stops_only_what_it_started(services: stores.Services) -> None:
+    root = Path(services.root)
+    before = stores.load(root)
+    stop_tree(before.servers.pop("mlflow").pid)  # MLflow down; PostgreSQL and Prefect healthy
+    prefect = before.servers["prefect"]
+    with pytest.raises(Exception, match="MLflow server"):
+        stores.up(root, auth=True, mlflow_workers=MLFLOW_WORKERS, timeout_s=0.5)
+    after = stores.load(root)
+    assert stores.running(after) == {"postgres": True, "prefect": True, "mlflow": False}
+    assert after.servers["prefect"] == prefect  # the same process, untouched
+
+
+def test_postgres_back_on_another_port_takes_both_servers_along(services: stores.Services) -> None:
+    root = Path(services.root)
+    before = stores.load(root)
+    postgres.stop(before)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", before.pg_port))
+        squatter.listen()  # the old port is taken meanwhile: PostgreSQL comes back elsewhere
+        after = stores.up(root, auth=True, mlflow_workers=MLFLOW_WORKERS)
+    assert after.pg_port != before.pg_port
+    assert after.servers["prefect"].pid != before.servers["prefect"].pid  # restarted on the new database
+    env = after.client_env()
+    admin = f"{env['MLFLOW_TRACKING_USERNAME']}:{env['MLFLOW_TRACKING_PASSWORD']}"
+    # Requests that need the database: both servers reach it on its new port.
+    assert _status(f"{after.prefect_api_url}/flows/filter", {}, env["PREFECT_API_AUTH_STRING"]) == 200
+    assert (
+        _status(f"{after.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search", {"max_results": 1}, admin)
+        == 200
+    )
+
+
+# ---------------------------------------------------------------------------------------- no servers
+
+
+def test_listening_beyond_loopback_turns_authentication_on_for_good(tmp_path: Path) -> None:
+    services, secrets = stores.configure(tmp_path / "s", host="0.0.0.0")
+    assert services.auth and secrets is not None
+    assert postgres.launch(services)[-1] == "auth=True"
+    mlflow = servers.mlflow_launch(services, secrets, 2)
+    prefect = servers.prefect_launch(services, secrets)
+    assert "basic-auth" in mlflow.args and "--allowed-hosts" in mlflow.args
+    assert prefect.secret_env["PREFECT_SERVER_API_AUTH_STRING"] == secrets.prefect_auth_string
+    assert mlflow.secret_env["MLFLOW_AUTH_ADMIN_PASSWORD"] == secrets.mlflow_admin_password
+    assert "0.0.0.0" in prefect.args and "0.0.0.0" not in services.prefect_api_url  # clients get a name
+    from flows.services.state import save
+
+    save(services)
+    again, _ = stores.configure(tmp_path / "s", host="127.0.0.1", auth=False)
+    assert again.auth  # never turned off for a directory
+
+
+def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path: Path) -> None:
+    from flows.services.state import ServerRecord, save
+
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        services, _ = stores.configure(tmp_path / "s")
+        mine = psutil.Process(stranger.pid)
+        # What the saved record of a server says: the stranger got its pid after it exited.
+        services.servers = {
+            name: ServerRecord(stranger.pid, mine.create_time() - 100, ["prefect", "server", "start"], [])
+            for name in servers.SERVERS
+        }
+        save(services)
+        assert stores.running(stores.load(tmp_path / "s")) == {
+            "postgres": False,
+            "prefect": False,
+            "mlflow": False,
+        }
+        stores.down(tmp_path / "s")
+        time.sleep(0.5)
+        assert stranger.poll() is None, "down signalled a process it did not start"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_stop_tree_never_signals_a_process_group_it_did_not_create() -> None:
+    # A leader with a child in its group: stopping the child must not take the leader's group down.
+    leader = subprocess.Popen(
+        ["bash", "-c", "sleep 300 & echo $!; exec sleep 301"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        child = int(leader.stdout.readline())
+        assert os.getpgid(child) == leader.pid
+        stop_tree(child, grace_s=1)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        assert leader.poll() is None, "the leader's group was signalled"
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def test_a_port_in_time_wait_counts_as_free() -> None:
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and PostgreSQL do
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what the check did before: the port looked taken
+    assert port_is_free(port)
+
+
+def test_pg_bin_takes_the_version_that_created_the_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = postgres.pg_bin("pg_ctl")
+    version = postgres._major(real)
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    fake = other / "pg_ctl"
+    fake.write_text("#!/bin/sh\necho 'pg_ctl (PostgreSQL) 99.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")  # a newer PostgreSQL first on PATH
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "PG_VERSION").write_text(f"{version}\n")
+    chosen = postgres.pg_bin("pg_ctl", data)
+    assert chosen != str(fake) and postgres._major(chosen) == version
+    (data / "PG_VERSION").write_text("11\n")
+    with pytest.raises(stores.ServicesError, match="created by PostgreSQL 11 .* postgresql-11"):
+        postgres.pg_bin("pg_ctl", data)
