@@ -105,11 +105,6 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         )
         worker_creds = dict(line.split("=", 1) for line in worker_file.read_text().splitlines())
         password = worker_creds["MLFLOW_TRACKING_PASSWORD"]
-        tracking = {
-            "MLFLOW_TRACKING_URI": services.mlflow_tracking_uri,
-            "MLFLOW_TRACKING_USERNAME": "worker",
-            "MLFLOW_TRACKING_PASSWORD": password,
-        }
 
         # The deployer: a clone of the remote, `prefect deploy` from it, then the clone is gone.
         origin = _publish_snapshot(root)
@@ -232,10 +227,13 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         handed_back = sorted((data_home / "runs" / str(split_id)).glob("step_*"))
         assert [p.name for p in handed_back] == [trained[-1].name]  # only the final checkpoint came back
 
-        # A registry user: only the MLflow URL and a user (reading needs no grant), in a third directory.
+        # A registry user: only the MLflow URL and a read-only user, in a third directory.
         user = root / "user"
         user.mkdir()
-        user_env = _env(**tracking)
+        reader = stores.add_user(services, "reader", read_only=True).read_text().splitlines()
+        user_env = _env(
+            **{k: v for k, v in (line.split("=", 1) for line in reader) if k.startswith("MLFLOW_")}
+        )
         script = (
             "import mlflow\n"
             f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"

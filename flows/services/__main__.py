@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--env-file", type=Path, default=None, help="add-user: where to write its environment"
     )
+    parser.add_argument(
+        "--read-only", action="store_true", help="add-user: no grants (it reads, as every user may)"
+    )
     return parser
 
 
@@ -106,11 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"no services in {root}: start them first (`python -m flows.services up --auth`)"
                 )
             env_file = add_user(
-                services, args.user, experiments=args.experiment, models=args.model, env_file=args.env_file
+                services,
+                args.user,
+                experiments=args.experiment,
+                models=args.model,
+                read_only=args.read_only,
+                env_file=args.env_file,
             )
+            grants = "reads only" if args.read_only else "EDIT on its experiments and registered models"
             print(
-                f"MLflow user {args.user!r}: EDIT on its experiments and registered models, nothing else; "
-                f"its environment (URLs and credentials, mode 0600) is in {env_file}"
+                f"MLflow user {args.user!r}: {grants}, nothing else; its environment (URLs and credentials, "
+                f"mode 0600) is in {env_file}"
             )
         else:
             services = load(root)

@@ -87,10 +87,12 @@ def add_user(
     *,
     experiments: Sequence[str] | None = None,
     models: Sequence[str] | None = None,
+    read_only: bool = False,
     env_file: Path | None = None,
 ) -> Path:
-    """Create (or keep) MLflow user `name` with EDIT on `experiments` and `models` (default: every preset's);
-    write what a worker running as it needs (URLs and credentials) to `env_file`, mode 0600. Returns it."""
+    """Create (or keep) MLflow user `name` with EDIT on `experiments` and `models` (default: every preset's;
+    none when `read_only`: it reads, as every user may); write what a client running as it needs (URLs and
+    credentials) to `env_file`, mode 0600. Returns it."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -108,8 +110,8 @@ def add_user(
     root = Path(services.root)
     secrets = Secrets.load(root)
     default_experiments, default_models = default_resources()
-    experiments = list(experiments or default_experiments)
-    models = list(models or default_models)
+    experiments = [] if read_only else list(experiments or default_experiments)
+    models = [] if read_only else list(models or default_models)
     password = secrets.mlflow_users.get(name) or Secrets.generate()
     with _as_admin(services, secrets) as uri:
         auth = AuthServiceClient(uri)
