@@ -51,8 +51,8 @@ def check_placement(config: PretrainConfig) -> None:
 def _missing(deployment: str, api_url: str) -> PlacementError:
     return PlacementError(
         f"placement='deployment' but deployment {deployment!r} does not exist on the Prefect API "
-        f"{redact_uri(api_url)}: deploy it (`prefect --no-prompt deploy --name gpu` in the project directory) and "
-        "point PREFECT_API_URL at that server, or use placement='local'"
+        f"{redact_uri(api_url)}: deploy it (`prefect --no-prompt deploy --name gpu` in the project "
+        "directory) and point PREFECT_API_URL at that server, or use placement='local'"
     )
 
 

@@ -7,11 +7,12 @@ Prefect logs "View at <ui url>" and derives the flow-run URLs we tag runs with f
 entry point calls `guard_credentials()` first. It moves the credentials into the variables each client reads
 for them, and leaves the URIs without them, for this process and every process it starts:
 
-    MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI  http(s)://USER:PW@   MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD
-                                              postgresql://USER:PW@ PGPASSWORD (libpq and asyncpg read it; the
-                                                                    user name stays in the URI)
-    PREFECT_API_URL                           http(s)://USER:PW@   PREFECT_API_AUTH_STRING ("USER:PW")
-    PREFECT_UI_URL                            http(s)://USER:PW@   (dropped: a UI address needs none)
+    MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI = http(s)://USER:PW@...
+        -> MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD
+    MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI = postgresql://USER:PW@...
+        -> PGPASSWORD (libpq and asyncpg read it; the user name stays in the URI)
+    PREFECT_API_URL = http(s)://USER:PW@...  -> PREFECT_API_AUTH_STRING ("USER:PW")
+    PREFECT_UI_URL = http(s)://USER:PW@...   -> (dropped: a UI address needs none)
 
 Every secret it moved or found in those variables is remembered: `redact` replaces them, and the user-info of
 any URI, in text that is shown or stored (messages, MLflow params and tags, log records).

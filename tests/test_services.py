@@ -145,7 +145,7 @@ def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_or_manage_us
             attempt()
 
 
-def _auth_client(services: stores.Services):  # noqa: ANN202
+def _auth_client(services: stores.Services):
     import warnings
 
     with warnings.catch_warnings():

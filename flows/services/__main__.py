@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--public-host",
         default=None,
-        help="up: the name clients use for this machine (default: the address, or the machine's name for 0.0.0.0)",
+        help="up: the name clients use for this machine (default: the address; for 0.0.0.0 the machine's name)",
     )
     parser.add_argument("--auth", action="store_true", help="up: authentication on loopback too")
     parser.add_argument(

@@ -208,7 +208,8 @@ def start(services: Services, secrets: Secrets | None) -> None:
     create_databases(services, secrets)
 
 
-def connect(services: Services, secrets: Secrets | None, database: str = "postgres", **kwargs: object):  # noqa: ANN201
+def connect(services: Services, secrets: Secrets | None, database: str = "postgres", **kwargs: object):
+    """A psycopg connection to `database` as the `llamaflow` role (its password when authentication is on)."""
     import psycopg  # the `postgres` extra
 
     password = secrets.postgres_password if secrets is not None else None

@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from tasks import home
-from tasks.credentials import clean_uri, redact, redact_uri
+from tasks.credentials import clean_uri, redact, redact_uri, remember_secret, split_userinfo
 from tasks.refs import DatasetRef
 from tasks.tracking.code_version import code_version_tags
 
@@ -48,8 +48,6 @@ def _is_http(uri: str) -> bool:
 
 def redact_error(error: BaseException, uri: str) -> str:
     """An exception's text (MLflow's quote the URL of a failed request) with the URI's secret taken out."""
-    from tasks.credentials import remember_secret, split_userinfo
-
     remember_secret(split_userinfo(uri)[2])
     return redact(str(error))
 
