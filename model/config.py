@@ -43,12 +43,6 @@ class LlamaConfig:
     # num_key_value_heads * head_dim; table i is mixed into the attention values of layer i and of layer
     # L - value_embeds + i through a learned 2-element gate per layer. 0 = off.
     value_embeds: int = 0
-    # Bigram hash embeddings (as in modded-nanogpt): a zero-initialised table of `bigram_embeds` rows of
-    # width hidden_size, indexed by a hash of (previous token, token) (`bigram_hash`), added to the
-    # residual stream before every layer with a learned weight per layer (init 0.1). 0 = off. It helps
-    # within one pass over the data; on a repeated corpus it stops helping (the demo preset leaves it off:
-    # -0.037 bits per byte at 725 steps, -0.002 at 1,100, in the second epoch; benchmarks/README.md §6).
-    bigram_embeds: int = 0
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,15 +87,6 @@ class LlamaConfig:
                 f"LlamaConfig.value_embeds must be an integer from 0 to num_hidden_layers // 2 "
                 f"({self.num_hidden_layers // 2}): each table feeds one of the first and one of the last layers; "
                 f"got {self.value_embeds!r}"
-            )
-        if (
-            not isinstance(self.bigram_embeds, int)
-            or isinstance(self.bigram_embeds, bool)
-            or (self.bigram_embeds != 0 and self.bigram_embeds < 2)
-        ):
-            raise ValueError(
-                "LlamaConfig.bigram_embeds must be 0 (off) or a row count of at least 2 (e.g. 5 x vocab_size), "
-                f"got {self.bigram_embeds!r}"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
@@ -152,6 +137,11 @@ class LlamaConfig:
             rope_parameters = dict(rope_parameters)
             data.setdefault("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
             data["rope_scaling"] = rope_parameters
+        if data.get("bigram_embeds"):  # written before the option left the model: its weights would not fit
+            raise ValueError(
+                f"this model has bigram hash embeddings (bigram_embeds={data['bigram_embeds']}), which this "
+                "llamaflow's model does not: load it with the llamaflow version that trained it"
+            )
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}
@@ -284,15 +274,12 @@ def _config_param_counts(config: LlamaConfig) -> tuple[int, int]:
     non_embedding = config.num_hidden_layers * per_layer + h + gates
     embedding = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     embedding += config.value_embeds * config.vocab_size * config.num_key_value_heads * hd
-    if config.bigram_embeds:
-        embedding += config.bigram_embeds * h
-        non_embedding += config.num_hidden_layers  # the per-layer weights of the bigram embedding
     return non_embedding + embedding, non_embedding
 
 
 def count_params(config_or_model: LlamaConfig | nn.Module, non_embedding: bool = False) -> int:
-    """Number of parameters; `non_embedding=True` leaves out the token embeddings (value and bigram
-    embeddings included) and the output head.
+    """Number of parameters; `non_embedding=True` leaves out the token embeddings (value embeddings
+    included) and the output head.
 
     A model's shared (tied) tensors are counted once.
     """
@@ -307,8 +294,7 @@ def count_params(config_or_model: LlamaConfig | nn.Module, non_embedding: bool =
             continue
         seen.add(id(param))
         if non_embedding and (
-            name.endswith(("embed_tokens.weight", "lm_head.weight", "bigram_embed.weight"))
-            or ".value_embeds." in name
+            name.endswith(("embed_tokens.weight", "lm_head.weight")) or ".value_embeds." in name
         ):
             continue
         count += param.numel()

@@ -78,13 +78,11 @@ _LLAMAFLOW_ONLY = (
     "qk_norm",
     "zero_init_output_projections",
     "value_embeds",
-    "bigram_embeds",
 )
 # Of those, the ones that change the function (export_hf refuses a model that sets them), with what they do.
 _NOT_IN_HF_LLAMA = {
     "qk_norm": "normalises queries and keys (qk_norm=True)",
     "value_embeds": "mixes value-embedding tables into its attention values (value_embeds > 0)",
-    "bigram_embeds": "adds a bigram hash embedding to its residual stream (bigram_embeds > 0)",
 }
 
 

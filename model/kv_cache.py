@@ -26,8 +26,6 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.max_len = max_len
         self.length = 0
-        # The last token of the calls so far (batch,): the bigram embedding's previous token for the next call.
-        self.last_ids: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys/values (batch, kv_heads, seq, head_dim); return everything cached so far."""
@@ -54,6 +52,4 @@ class KVCache:
         """Keep only the batch rows in `index` (e.g. to drop finished sequences)."""
         self.keys = [None if k is None else k.index_select(0, index) for k in self.keys]
         self.values = [None if v is None else v.index_select(0, index) for v in self.values]
-        if self.last_ids is not None:
-            self.last_ids = self.last_ids.index_select(0, index)
         self.shape = (len(index), *self.shape[1:])

@@ -6,9 +6,8 @@ Speed choices: the q/k/v projections are one matmul (`qkv_proj`) and so are gate
 scoring) attends through the fastest kernel for its device (`attention_backend="auto"`: matmul attention on
 CPU, SDPA's causal flash kernel on CUDA); padding masks and KV caches go through SDPA. Optional document
 masking keeps attention inside each packed document. Optional value embeddings (`config.value_embeds`) mix
-a per-token table into the attention values of the first and last layers; optional bigram embeddings
-(`config.bigram_embeds`) add a hashed (previous token, token) table to the residual stream before every
-layer. Nothing in `forward` syncs with the host.
+a per-token table into the attention values of the first and last layers. Nothing in `forward` syncs with
+the host.
 """
 
 from __future__ import annotations
@@ -33,19 +32,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
-
-
-# The bigram hash: ((A * token) XOR (B * previous token)) mod (rows - 1). Part of a trained model's function:
-# changing it changes what every stored bigram table means.
-BIGRAM_HASH_MULTIPLIERS = (36313, 27191)
-
-
-def bigram_hash(input_ids: torch.Tensor, previous_ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """Row of a `rows`-row bigram table for each position; a position without a previous token (previous
-    id < 0: a block's first position, or one after padding) gets the last row, which no pair hashes to."""
-    a, b = BIGRAM_HASH_MULTIPLIERS
-    hashed = torch.bitwise_xor(a * input_ids, b * previous_ids.clamp(min=0)) % (rows - 1)
-    return torch.where(previous_ids < 0, rows - 1, hashed)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -147,10 +133,6 @@ class LlamaModel(nn.Module):
         self.value_embeds = nn.ModuleList(
             nn.Embedding(config.vocab_size, value_width) for _ in range(config.value_embeds)
         )
-        if config.bigram_embeds:
-            self.bigram_embed = nn.Embedding(config.bigram_embeds, config.hidden_size)
-            # The weight of the bigram embedding added before each layer.
-            self.bigram_weights = nn.Parameter(torch.empty(config.num_hidden_layers))
 
 
 class LlamaForPretraining(nn.Module):
@@ -192,8 +174,7 @@ class LlamaForPretraining(nn.Module):
     def reset_parameters(self) -> None:
         """normal(0, initializer_range) for every matmul and embedding weight, ones for the norms; zeros for
         o_proj and down_proj with `zero_init_output_projections` (each block starts as the identity);
-        value-embedding gates (1, 0.5): the layer's own values at full weight, the table's at half; the
-        bigram table zeros (it starts as no change) with weights 0.1."""
+        value-embedding gates (1, 0.5): the layer's own values at full weight, the table's at half."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -205,9 +186,6 @@ class LlamaForPretraining(nn.Module):
             elif isinstance(module, Attention) and module.value_embed_gate is not None:
                 with torch.no_grad():
                     module.value_embed_gate.copy_(torch.tensor([1.0, 0.5]))
-        if self.config.bigram_embeds:
-            nn.init.zeros_(self.model.bigram_embed.weight)
-            nn.init.constant_(self.model.bigram_weights, 0.1)
         if self.config.zero_init_output_projections:
             for layer in self.model.layers:
                 nn.init.zeros_(layer.self_attn.o_proj.weight)
@@ -296,15 +274,7 @@ class LlamaForPretraining(nn.Module):
 
         h = self.model.embed_tokens(input_ids)
         value_embeds = [table(input_ids) for table in self.model.value_embeds]
-        bigrams = None
-        if self.config.bigram_embeds:
-            previous = _previous_ids(input_ids, attn_mask, kv_cache, past)
-            bigrams = self.model.bigram_embed(bigram_hash(input_ids, previous, self.config.bigram_embeds))
-            if kv_cache is not None:
-                kv_cache.last_ids = input_ids[:, -1]
         for i, layer in enumerate(self.model.layers):
-            if bigrams is not None:
-                h = h + self.model.bigram_weights[i] * bigrams
             table = self.config.value_embed_index(i)
             h = layer(h, cos, sin, plan, kv_cache, None if table is None else value_embeds[table])
         h = self.model.norm(h)
@@ -313,25 +283,6 @@ class LlamaForPretraining(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(seq)
         return h
-
-
-def _previous_ids(
-    input_ids: torch.Tensor, attn_mask: torch.Tensor | None, kv_cache: KVCache | None, past: int
-) -> torch.Tensor:
-    """The token before each position, -1 where there is none: the first position of a call without
-    cached context, and any position after padding."""
-    if past and (kv_cache is None or kv_cache.last_ids is None):
-        raise ValueError("the bigram embedding needs the token before this call: decode with the KVCache")
-    first = kv_cache.last_ids[:, None] if past else torch.full_like(input_ids[:, :1], -1)
-    previous = torch.cat([first, input_ids[:, :-1]], dim=1)
-    if attn_mask is not None:
-        real = attn_mask.bool()
-        if past:
-            before = real[:, past - 1 : -1]
-        else:
-            before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
-        previous = previous.masked_fill(~before, -1)
-    return previous
 
 
 def _padding_causal_mask(

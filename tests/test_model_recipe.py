@@ -1,4 +1,4 @@
-"""Model features of the training recipe: QK-norm, zero-initialised output projections, value and bigram
+"""Model features of the training recipe: QK-norm, zero-initialised output projections, value
 embeddings."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 
 from model import LlamaConfig, LlamaForPretraining, export_hf, get_preset
 from model.kv_cache import KVCache
-from model.llama import bigram_hash
 
 
 def tiny(seed: int = 0, **overrides: object) -> LlamaForPretraining:
@@ -117,12 +116,10 @@ def test_config_round_trip_and_hugging_face_export(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"value_embeds > 0.*train with value_embeds=0 to export"):
         export_hf(LlamaForPretraining(get_preset("tiny", value_embeds=1)), tmp_path / "refused")
     assert LlamaConfig.from_dict(get_preset("tiny", value_embeds=1).to_dict()).value_embeds == 1
-    with pytest.raises(ValueError, match=r"bigram_embeds > 0.*train with bigram_embeds=0 to export"):
-        export_hf(LlamaForPretraining(get_preset("tiny", bigram_embeds=64)), tmp_path / "refused")
-    assert LlamaConfig.from_dict(get_preset("tiny", bigram_embeds=64).to_dict()).bigram_embeds == 64
-    for bad in (-3, 1, True, 64.0):
-        with pytest.raises(ValueError, match="bigram_embeds must be 0 .off. or a row count of at least 2"):
-            get_preset("tiny", bigram_embeds=bad)
+    # A config written while the model still had bigram hash embeddings: off loads, on is refused by name.
+    assert LlamaConfig.from_dict({**config.to_dict(), "bigram_embeds": 0}) == config
+    with pytest.raises(ValueError, match=r"bigram hash embeddings \(bigram_embeds=64\)"):
+        LlamaConfig.from_dict({**config.to_dict(), "bigram_embeds": 64})
     for bad in (-1, 2, True, 1.0):  # tiny has 2 layers: at most one table
         with pytest.raises(
             ValueError, match="value_embeds must be an integer from 0 to num_hidden_layers // 2"
@@ -130,39 +127,4 @@ def test_config_round_trip_and_hugging_face_export(tmp_path) -> None:
             get_preset("tiny", value_embeds=bad)
     out = export_hf(tiny(zero_init_output_projections=True), tmp_path / "hf")
     written = json.loads((out / "config.json").read_text())
-    assert not {"qk_norm", "zero_init_output_projections", "value_embeds", "bigram_embeds"} & set(written)
-
-
-def test_bigram_embeddings_add_a_row_per_previous_and_current_token_pair() -> None:
-    model = tiny(bigram_embeds=97)
-    table, weights = model.model.bigram_embed.weight, model.model.bigram_weights
-    assert not table.any() and weights.tolist() == pytest.approx([0.1, 0.1])  # it starts as no change
-    plain = LlamaForPretraining(model.config.replace(bigram_embeds=0)).eval()
-    plain.load_state_dict(model.state_dict(), strict=False)
-    ids = torch.tensor([[5, 9, 5, 9, 7, 5]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids), plain(ids))
-        rows = bigram_hash(ids, torch.tensor([[-1, 5, 9, 5, 9, 7]]), 97)
-        assert rows[0, 0] == 96 and rows[0, 1] == rows[0, 3] and rows[0, 1] != rows[0, 2]
-        table[rows[0, 1]] += 1.0  # the pair (5, 9): positions 1 and 3
-        after = model(ids)
-        before = plain(ids)
-    changed = (after - before).abs().amax(-1)[0]
-    assert changed[0] < 1e-6 and changed[1] > 1e-3  # from the pair's first position on, never before it
-    loss = model(ids).logsumexp(-1).sum()
-    loss.backward()
-    assert weights.grad.abs().sum() > 0 and table.grad[rows[0, 1]].abs().sum() > 0
-
-
-def test_bigram_embeddings_keep_incremental_decoding_and_left_padding() -> None:
-    model = tiny(bigram_embeds=211)
-    with torch.no_grad():
-        model.model.bigram_embed.weight.normal_(0, 1.0)
-    ids = torch.randint(0, 2048, (2, 10))
-    with torch.no_grad():
-        torch.testing.assert_close(_decoded_logits(model, ids), model(ids), rtol=1e-4, atol=1e-4)
-        # A left-padded row scores its tokens as the unpadded row does: the pad is nobody's previous token.
-        mask = torch.ones(2, 10, dtype=torch.long)
-        mask[1, :3] = 0
-        padded = model(ids, mask)
-        torch.testing.assert_close(padded[1, 3:], model(ids[1:, 3:])[0], rtol=1e-4, atol=1e-4)
+    assert not {"qk_norm", "zero_init_output_projections", "value_embeds"} & set(written)
