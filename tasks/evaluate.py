@@ -1,10 +1,9 @@
 """evaluate: bits per byte of the validation text (and loss per token), xz's bits per byte on the same
 bytes, and a few generated samples.
 
-Every token of the validation text (`tasks.scoring`) is predicted once, in blocks of `seq_len` targets,
-each block seeing the token before it; the loss summed over them, in bits, over the text's exact UTF-8
-bytes is bits per byte. `rescore` scores a model with another tokenizer on the same text, so models with
-different vocabularies compare.
+The validation text and how a model is scored on it are `tasks.scoring`'s (the engine's periodic score
+uses the same). `rescore` scores a model with another tokenizer on the same text, so models with different
+vocabularies compare.
 """
 
 from __future__ import annotations
@@ -19,71 +18,18 @@ from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, generate, load_pretrained
 from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
-from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
+from tasks.scoring import (
+    ScoringError,
+    ValidationText,
+    score_text,
+    stream_loss,
+    validation_text,
+    xz_bits_per_byte,
+)
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
-from tasks.training.loader import IGNORE_INDEX
-from tasks.training.loss import token_loss_sum
-from tasks.training.precision import autocast
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
-
-
-# Logits are scored this many elements at a time (16 MB in float32): the head and eager cross-entropy over a
-# whole batch's float32 logits ran ~4x slower here than in cache-sized pieces (0.52 vs 0.11 s per 8,192 tokens
-# at vocab 8192; benchmarks/results/levers_round4.json).
-LOSS_CHUNK_ELEMENTS = 1 << 22
-
-
-@torch.no_grad()
-def stream_loss(
-    model: LlamaForPretraining,
-    tokens: np.ndarray,
-    *,
-    context_id: int,
-    seq_len: int,
-    batch_size: int = 16,
-    device: str | torch.device = "cpu",
-    dtype: str = "bf16",
-) -> float:
-    """Summed cross-entropy (nats) of predicting each of `tokens` once: blocks of `seq_len` targets, each
-    block's inputs starting with the token before its first target (`context_id` for the very first)."""
-    device = torch.device(device)
-    n = len(tokens)
-    if n == 0:
-        raise ScoringError("no tokens to score")
-    rows = -(-n // seq_len)
-    sequence = np.full(rows * seq_len + 1, context_id, dtype=np.int64)
-    sequence[1 : n + 1] = tokens
-    inputs = torch.from_numpy(sequence[:-1].reshape(rows, seq_len))
-    targets = torch.from_numpy(sequence[1:].reshape(rows, seq_len).copy())
-    targets.view(-1)[n:] = IGNORE_INDEX  # the last block's padding
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // model.config.vocab_size)
-    for start in range(0, rows, batch_size):
-        x, y = inputs[start : start + batch_size].to(device), targets[start : start + batch_size].to(device)
-        with autocast(device, dtype):
-            hidden = model.hidden_states(x).flatten(0, 1)
-        batch_nats = torch.zeros((), dtype=torch.float64, device=device)
-        for h, t in zip(hidden.split(chunk_rows), y.flatten().split(chunk_rows), strict=True):
-            with autocast(device, dtype):
-                logits = model.lm_head(h)
-            batch_nats += token_loss_sum(logits, t)
-        total += batch_nats.item()
-    model.train(was_training)
-    return total
-
-
-def score_text(
-    model: torch.nn.Module, text: ValidationText, *, seq_len: int, device: torch.device, dtype: str
-) -> tuple[float, float]:
-    """(mean loss per token in nats, bits per byte) of `model` on the validation text in its own tokens."""
-    nats = stream_loss(
-        model, text.tokens, context_id=text.context_id, seq_len=seq_len, device=device, dtype=dtype
-    )
-    return nats / len(text.tokens), nats / math.log(2) / len(text.text)
 
 
 def rescore(

@@ -28,6 +28,7 @@ from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
 from tasks.training.optimizer_state import load_optimizer_state
 from tasks.training.parallelize import parallelize
+from tasks.training.periodic_eval import PeriodicEval
 from tasks.training.resume import RunShape, check_resume, find_resume
 from tasks.training.schedule import describe_run_length, total_optimizer_steps
 from tasks.training.settings import TrainSettings
@@ -227,5 +228,6 @@ def run_process(
         should_stop=should_stop,
         last_checkpoint=resume,
         run_facts={**shape.to_dict(), "length": run_length},
+        periodic_eval=PeriodicEval.from_settings(dataset_ref, settings, device),
     )
     return loop.run()

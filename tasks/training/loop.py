@@ -34,6 +34,7 @@ from tasks.training.loss import count_targets
 from tasks.training.metrics import JsonlMetrics, MetricSink, device_peak_flops, peak_memory_mb
 from tasks.training.optim import TrainOptimizer
 from tasks.training.parallelize import Parallel
+from tasks.training.periodic_eval import PeriodicEval
 from tasks.training.precision import autocast
 from tasks.training.schedule import lr_at
 from tasks.training.settings import TrainSettings
@@ -58,6 +59,7 @@ class TrainLoop:
     should_stop: Callable[[], bool] | None
     last_checkpoint: Path | None
     run_facts: dict[str, Any] = field(default_factory=dict)  # RunShape and run length, saved for resume
+    periodic_eval: PeriodicEval | None = None  # validation scores every eval_every steps
 
     def __post_init__(self) -> None:
         self.faults = FaultInjector(self.run_dir)
@@ -96,6 +98,8 @@ class TrainLoop:
             while self.step < self.total_steps:
                 compiles_before = watch.count
                 metrics = self._one_step()
+                if self.periodic_eval is not None:
+                    metrics.update(self.periodic_eval.after_step(self.plain, self.step))
                 if self.step - 1 > self.start_step:
                     compiles_after_first += watch.count - compiles_before
                     if watch.count > compiles_before:

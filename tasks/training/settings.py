@@ -170,6 +170,15 @@ class TrainSettings(BaseModel):
         2, ge=1, description="Newest checkpoints kept in the run directory"
     )
     log_every: MayChange[int] = Field(1, ge=1, description="Optimizer steps between logged metrics")
+    eval_every: MayChange[int] = Field(
+        0,
+        ge=0,
+        description="Optimizer steps between validation scores during training, on the first eval_blocks "
+        "held-out blocks (0 = off); logged as val_subset/bits_per_byte, what a sweep prunes on",
+    )
+    eval_blocks: MayChange[int] = Field(
+        64, ge=1, description="eval_every: held-out blocks scored (the same ones each time)"
+    )
     max_time_s: MayChange[float | None] = Field(
         None, gt=0, description="Stop (after a checkpoint) once training ran this long"
     )
@@ -184,6 +193,11 @@ class TrainSettings(BaseModel):
                 raise ValueError(
                     f"rdzv_endpoint must be host:port (e.g. node0.cluster:29500), got {self.rdzv_endpoint!r}"
                 )
+        if self.eval_every % self.log_every:
+            raise ValueError(
+                f"eval_every={self.eval_every} must be a multiple of log_every={self.log_every}: the scores are "
+                "logged with the step's metrics"
+            )
         return self
 
 
