@@ -1,6 +1,7 @@
 """Speedrun: how fast llamaflow's recipe reaches quality, against transformers + torch.compile + AdamW.
 
     .venv/bin/python benchmarks/speedrun.py [--steps 150] [--recipe-steps 0] [--preset demo] [--tag speedrun]
+    .venv/bin/python benchmarks/speedrun.py --steps 300 --sweep benchmarks/sweeps/speedrun.yaml --tag speedrun_tuned
 
 Both sides train the same architecture size (the preset's model) on the main job's data (the stdlib corpus,
 tokenized and packed by the data stages), in the same block order, in one process, one after the other:
@@ -12,6 +13,11 @@ tokenized and packed by the data stages), in the same block order, in one proces
              a plain loop;
   llamaflow  the real engine (`tasks.training.fit`) with the preset's recipe (its optimizer, LRs, schedule),
              `--recipe-steps` steps (default: the baseline's token budget).
+With `--sweep SPEC` both recipes are tuned with the same budget: llamaflow's side takes the best trial of
+that sweep (`python -m flows.sweep SPEC` first), and the baseline's learning rate is searched here with the
+spec's number of trials, sampler, seed and pruner at the same number of steps (an Optuna study of its own,
+`<name>.baseline`, in the sweep's storage: a rerun continues it), scored by the speedrun's own bits per byte
+at every `eval_every` steps of the spec's base (what the pruner compares).
 Validation bits per byte (summed token loss in bits over the UTF-8 bytes of the scored text) is measured on
 a fixed, evenly spaced subset of the validation blocks at `--evals` points of each run, off the clock: the
 baseline evaluates in its loop, llamaflow's checkpoints are evaluated after training. Wall time is the sum
@@ -122,7 +128,9 @@ def run_baseline(
     eval_at: set[int],
     bpb: BitsPerByte,
     lr: float,
+    on_eval: Any = None,
 ) -> dict[str, Any]:
+    """The baseline's run; `on_eval(step, bits_per_byte)` is called at each evaluation (a pruner raises)."""
     from transformers import LlamaForCausalLM
 
     # The same initial weights as llamaflow's run, through the project's Hugging Face export.
@@ -167,7 +175,83 @@ def run_baseline(
             hf.eval()
             points.append((step + 1, bpb(lambda x: hf(input_ids=x).logits)))
             hf.train()
+            if on_eval is not None:
+                on_eval(step + 1, points[-1][1])
     return {"step_times": times, "points": points, "tokens_per_step": n_tokens}
+
+
+def tune_baseline_lr(
+    spec: Any,
+    config: PretrainConfig,
+    baseline_dir: Path,
+    blocks: np.ndarray,
+    pad_id: int,
+    steps: int,
+    bpb: BitsPerByte,
+    lr_range: tuple[float, float],
+) -> dict[str, Any]:
+    """The baseline's learning rate searched with the sweep's budget: its trials, sampler, seed and pruner."""
+    import optuna
+
+    from flows.sweep_study import open_storage, pruner_of, storage_url
+
+    if spec.sampler == "grid":
+        raise SystemExit(
+            "--sweep: the baseline's learning rate is a range; give the sweep a tpe or random sampler"
+        )
+    sampler = (
+        optuna.samplers.RandomSampler(seed=spec.seed)
+        if spec.sampler == "random"
+        else optuna.samplers.TPESampler(seed=spec.seed, n_startup_trials=max(2, min(10, spec.n_trials // 3)))
+    )
+    study = optuna.create_study(
+        study_name=f"{spec.name}.baseline",
+        storage=open_storage(storage_url(spec)),
+        sampler=sampler,
+        pruner=pruner_of(spec),
+        direction="minimize",
+        load_if_exists=True,
+    )
+    every = spec.base_config().eval_every or max(1, steps // 10)
+    eval_at = set(range(every, steps + 1, every)) | {steps}
+
+    def objective(trial: optuna.Trial) -> float:
+        lr = trial.suggest_float("lr", *lr_range, log=True)
+
+        def report(step: int, value: float) -> None:
+            trial.report(value, step)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"step {step}: {value:.4f}")
+
+        run = run_baseline(config, baseline_dir, blocks, pad_id, steps, eval_at, bpb, lr, on_eval=report)
+        print(f"baseline lr {lr:.3g}: {run['points'][-1][1]:.4f} bits/byte")
+        return run["points"][-1][1]
+
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    left = spec.n_trials - len(study.get_trials(deepcopy=False, states=done))
+    if left > 0:
+        study.optimize(objective, n_trials=left)
+    trials = study.get_trials(deepcopy=False, states=done)
+    return {
+        "study": study.study_name,
+        "best_lr": study.best_params["lr"],
+        "best_bpb": study.best_value,
+        "trials": [{"lr": t.params["lr"], "state": t.state.name, "bpb": t.value} for t in trials],
+    }
+
+
+def swept_recipe(spec: Any) -> tuple[PretrainConfig, dict[str, Any]]:
+    """llamaflow's side from the sweep's best trial (its values on the spec's base)."""
+    from flows.sweep_spec import trial_values
+    from flows.sweep_study import existing_study
+
+    study = existing_study(spec)
+    if study is None or not any(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False)):
+        raise SystemExit(
+            f"--sweep: no finished trial of {spec.name}: run `python -m flows.sweep` on it first"
+        )
+    best = study.best_trial
+    return PretrainConfig(**trial_values(spec, best.params)), {"params": best.params, "value": best.value}
 
 
 def run_llamaflow(
@@ -249,10 +333,20 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=10, help="evaluation points per side")
     parser.add_argument("--eval-blocks", type=int, default=96)
     parser.add_argument("--baseline-lr", type=float, default=2e-3)
+    parser.add_argument(
+        "--sweep", type=Path, default=None, help="tune both sides with this sweep spec's budget (see above)"
+    )
+    parser.add_argument("--baseline-lr-range", type=float, nargs=2, default=(2.5e-4, 1.6e-2))
     parser.add_argument("--tag", default="speedrun")
     args = parser.parse_args()
 
     config = PretrainConfig(preset=args.preset)
+    spec, tuned = None, {}
+    if args.sweep is not None:
+        from flows.sweep_spec import load_spec
+
+        spec = load_spec(args.sweep)
+        config, tuned["llamaflow"] = swept_recipe(spec)
     tokenizer = train_tokenizer(config.data, config.vocab_size, val_fraction=config.val_fraction)
     dataset = build_dataset(config.data, tokenizer, config.seq_len, val_fraction=config.val_fraction)
     model_ref = build_model(config.llama_config(), seed=config.seed)
@@ -273,6 +367,19 @@ def main() -> None:
 
     load_before = load_average()
     torch.use_deterministic_algorithms(True)
+    if spec is not None:
+        tuned["baseline"] = tune_baseline_lr(
+            spec,
+            config,
+            Path(baseline_ref.path),
+            blocks,
+            tokenizer.pad_id,
+            args.steps,
+            bpb,
+            args.baseline_lr_range,
+        )
+        args.baseline_lr = tuned["baseline"]["best_lr"]
+        load_before = load_average()
     baseline = run_baseline(
         config,
         Path(baseline_ref.path),
@@ -308,6 +415,8 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "preset": args.preset,
         "recipe": config.train_settings().model_dump(),
+        "baseline_lr": args.baseline_lr,
+        "tuned": tuned or None,
         "sides": sides,
         "target_bpb": target,
         "llamaflow_time_to_target_s": reach,

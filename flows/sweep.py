@@ -1,0 +1,371 @@
+"""The `sweep` flow: search PretrainConfig values with Optuna, every trial a real `pretrain` run.
+
+    python -m flows.sweep benchmarks/sweeps/muon_weight_decay.yaml
+    python -m flows.sweep spec.yaml --register        # then train the winner under the base's model name
+
+    from flows.sweep import sweep
+    from flows.sweep_spec import load_spec
+    result = sweep(load_spec("spec.yaml"))
+
+The spec (flows/sweep_spec.py) names a base configuration and a space; Optuna (flows/sweep_study.py) draws
+each trial's values and keeps the study in a store that outlives the process, so the same command after a
+crash or kill -9 goes on where it stopped; each trial (flows/sweep_trials.py) is a pretrain run with its
+own MLflow run nested under the sweep's (flows/sweep_report.py), registered under a model name of the
+sweep's own (`<model_name>-sweep-<name>`), so no trial moves the aliases of the base's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ValidationError
+
+from flows.sweep_report import (
+    compare,
+    confirmation_lines,
+    log_confirmation,
+    log_results,
+    markdown_table,
+    open_parent,
+    recommendation,
+    trial_rows,
+)
+from flows.sweep_spec import SweepSpec, check_spec, load_spec, pretrain_command, trial_values
+from flows.sweep_study import (
+    Claimed,
+    claim_next,
+    counts,
+    home_free,
+    open_study,
+    storage_url,
+    suggest,
+    sweep_dir,
+)
+from flows.sweep_trials import SweepContext, TrialOutcome, TrialPlan, run_trial
+from tasks.home import apply_embedded_defaults
+from tasks.tracking import store
+
+trial_task = task(run_trial, name="trial", cache_policy=NO_CACHE, persist_result=False)
+
+
+class SweepResult(BaseModel):
+    name: str
+    trials: dict[str, int]
+    best_params: dict[str, Any] | None
+    best_value: float | None
+    command: str | None  # the recommended `python -m flows.pretrain` command
+    confirmation: list[str]
+    parent_run_id: str
+    storage: str
+
+
+@flow(name="sweep", log_prints=True, validate_parameters=True)
+def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
+    """Run the sweep `spec` (or continue it: the study is found by its name in its storage)."""
+    apply_embedded_defaults()
+    spec = check_spec(spec)
+    uri = store.check_tracking_store()
+    study = open_study(spec)
+    ctx = _context(spec, uri, study)
+    done = counts(study)
+    print(
+        f"sweep {spec.name}: {spec.n_trials} trials, {spec.sampler} sampler, pruner {spec.pruner.name}, "
+        f"{spec.parallel} at a time ({spec.launch}); study in {home_free(storage_url(spec))}"
+        + (
+            f"; continuing: {done['complete']} complete, {done['pruned']} pruned, {done['running']} to resume"
+            if sum(done.values())
+            else ""
+        )
+    )
+    print(f"MLflow: {store.run_link(ctx.parent_run_id, uri)}")
+    started = time.monotonic()
+    try:
+        _run_trials(study, ctx, spec.n_trials, _search_plan, draw=lambda t: suggest(t, spec), recall=_params)
+    finally:
+        log_results(spec, study, ctx.parent_run_id, uri)
+    print(markdown_table(trial_rows(study)))
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    best = min(complete, key=lambda t: t.value) if complete else None
+    found = _confirm(spec, ctx, study) if spec.seeds and best is not None else None
+    lines = recommendation(spec, best, found)
+    confirmation = confirmation_lines(found, spec.seeds, spec.metric) if found else []
+    if register_winner if register_winner is not None else spec.register_winner:
+        lines += _register_winner(spec, ctx, best, found)
+    store.end_run(ctx.parent_run_id, "FINISHED", uri)
+    print(
+        "\n".join(
+            [
+                "",
+                "=" * 72,
+                *confirmation,
+                *lines,
+                f"this process: {time.monotonic() - started:,.0f} s",
+                "=" * 72,
+            ]
+        )
+    )
+    winner = lines[-1].split(": ", 1)[1] if lines[-1].startswith(("run it: ", "base:  ")) else None
+    return SweepResult(
+        name=spec.name,
+        trials=counts(study),
+        best_params=best.params if best else None,
+        best_value=best.value if best else None,
+        command=winner,
+        confirmation=confirmation,
+        parent_run_id=ctx.parent_run_id,
+        storage=home_free(storage_url(spec)),
+    )
+
+
+def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
+    """Where the trials report to, and the concurrency limit they share with every other sweep."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    with get_client(sync_client=True) as client:
+        api_url = str(client.api_url).rstrip("/")
+        limit = None
+        # The embedded API is this process's temporary server: no other sweep shares it, and it keeps
+        # concurrency leases in memory, so a slot it counted would outlive a kill -9 of this process.
+        if PREFECT_API_URL.value():
+            limit = spec.concurrency_limit or _default_limit(spec, client)
+            _ensure_limit(client, limit, spec.parallel)
+    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit)
+
+
+def _default_limit(spec: SweepSpec, client: Any) -> str:
+    if spec.launch == "local":
+        return f"llamaflow-sweeps-{socket.gethostname()}"
+    pool = client.read_deployment_by_name(spec.deployment).work_pool_name
+    return f"llamaflow-sweeps-{pool}"
+
+
+def _ensure_limit(client: Any, name: str, slots: int) -> None:
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        found = client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+        print(f"concurrency limit {name!r} created with {slots} slots, shared by every sweep that uses it")
+        return
+    if found.limit < slots:
+        print(
+            f"note: concurrency limit {name!r} holds {found.limit} slots, fewer than parallel={slots}: trials wait "
+            f"for a slot (raise it with `prefect gcl update {name} --limit {slots}`)"
+        )
+
+
+# ---------------------------------------------------------------------- running trials
+
+
+def _params(frozen: FrozenTrial) -> dict[str, Any]:
+    return dict(frozen.params)
+
+
+def _search_plan(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
+    number = claimed.trial.number
+    return _plan(spec, number, "search", claimed.params, f"trial-{number:03d}", {}, claimed.adopted)
+
+
+def _plan(
+    spec: SweepSpec, number: int, kind: str, params: dict, label: str, extra: dict, adopted: bool
+) -> TrialPlan:
+    directory = sweep_dir(spec.name) / label
+    values = {**trial_values(spec, params), **extra, "run_name": f"{spec.name}-{label}"}
+    if kind != "winner":
+        values["model_name"] = spec.sweep_model_name()
+    if spec.launch == "local":
+        values["checkpoint_dir"] = str(directory / "run")
+    prune = kind == "search" and spec.pruner.name != "none"
+    return TrialPlan(number, kind, params, values, directory, prune, adopted)
+
+
+def _run_trials(
+    study: optuna.Study,
+    ctx: SweepContext,
+    total: int,
+    plan_for: Callable[[SweepSpec, Claimed], TrialPlan],
+    draw: Callable[[optuna.trial.Trial], dict[str, Any]],
+    recall: Callable[[FrozenTrial], dict[str, Any]],
+) -> None:
+    """Keep `parallel` trials running until `total` are finished (adopting those a killed sweep left)."""
+    spec = ctx.spec
+    in_flight: dict[int, tuple[optuna.trial.Trial, Any]] = {}
+    mine: set[int] = set()
+    while True:
+        while len(in_flight) < spec.parallel:
+            claimed = claim_next(study, total, mine, draw, recall)
+            if claimed is None:
+                break
+            plan = plan_for(spec, claimed)
+            mine.add(plan.number)
+            resumed = " (resumed: its sweep was killed)" if claimed.adopted else ""
+            print(
+                f"{plan.kind} trial {plan.number}{resumed}: {pretrain_command(trial_values(spec, plan.params))}"
+            )
+            future = trial_task.with_options(task_run_name=plan.run_name).submit(plan, claimed.trial, ctx)
+            in_flight[plan.number] = (claimed.trial, future)
+        if not in_flight:
+            return
+        while not (done := [n for n, (_, f) in in_flight.items() if f.state.is_final()]):
+            time.sleep(1.0)
+        for number in done:
+            trial, future = in_flight.pop(number)
+            outcome: TrialOutcome = future.result()
+            _tell(study, trial, outcome)
+        log_results(spec, study, ctx.parent_run_id, ctx.uri, plots=False)  # a killed sweep leaves its table
+
+
+def _tell(study: optuna.Study, trial: optuna.trial.Trial, outcome: TrialOutcome) -> None:
+    trial.set_user_attr("seconds", round(outcome.seconds, 1))
+    trial.set_user_attr("steps", outcome.steps)
+    if outcome.run_id:
+        trial.set_user_attr("mlflow_run_id", outcome.run_id)
+    if outcome.message:
+        trial.set_user_attr("message", outcome.message[-500:])
+    if outcome.state == TrialState.COMPLETE:
+        study.tell(trial, outcome.value)
+    else:
+        study.tell(trial, state=outcome.state)
+    value = "" if outcome.value is None else f" {outcome.value:.5f}"
+    print(
+        f"trial {outcome.number}: {outcome.state.name}{value} after {outcome.steps} steps, "
+        f"{outcome.seconds:,.0f} s {outcome.message}".rstrip()
+    )
+
+
+# ---------------------------------------------------------------------- confirmation and the winner
+
+
+def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
+    """Rerun the best `confirm_top` configurations and the base once per seed (a study of its own, so a
+    killed confirmation resumes too); the verdicts compare each with the base seed by seed."""
+    complete = sorted(
+        (t for t in study.get_trials() if t.state == TrialState.COMPLETE), key=lambda t: t.value
+    )
+    base_values = trial_values(spec, {})
+    candidates = [("base", {})] + [
+        (f"trial-{t.number}", t.params)
+        for t in complete[: spec.confirm_top]
+        if trial_values(spec, t.params) != base_values  # the base itself, sampled: its runs are the base's
+    ]
+    confirm = open_study(
+        spec, suffix=".confirm", pruned=False, sampler=optuna.samplers.RandomSampler(seed=spec.seed)
+    )
+    for index, (name, params) in enumerate(candidates):
+        for seed in spec.seeds:
+            attrs = {"candidate": name, "params": params, "seed": seed}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # enqueue_trial's user_attrs are marked experimental
+                confirm.enqueue_trial(
+                    {"candidate": index, "seed": seed}, user_attrs=attrs, skip_if_exists=True
+                )
+    print(f"confirmation: {len(candidates)} configurations x {len(spec.seeds)} seeds")
+    total = len(candidates) * len(spec.seeds)
+    attrs_of: Callable[[Any], dict[str, Any]] = lambda t: t.user_attrs  # noqa: E731
+
+    def plan_for(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
+        a = claimed.params
+        label = f"confirm-{a['candidate']}-seed{a['seed']}"
+        return _plan(
+            spec, claimed.trial.number, "confirm", a["params"], label, {"seed": a["seed"]}, claimed.adopted
+        )
+
+    _run_trials(confirm, ctx, total, plan_for, draw=attrs_of, recall=attrs_of)
+    values: dict[str, dict[int, float]] = {}
+    for t in confirm.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        values.setdefault(t.user_attrs["candidate"], {})[t.user_attrs["seed"]] = t.value
+    result = [
+        compare(name, params, values.get(name, {}), values.get("base", {}), spec.seeds)
+        for name, params in candidates[1:]
+    ]
+    if not result:
+        print("confirmation: the best configurations are the base itself; nothing to compare")
+    log_confirmation(ctx.parent_run_id, result, ctx.uri)
+    return result
+
+
+def _register_winner(
+    spec: SweepSpec, ctx: SweepContext, best: FrozenTrial | None, found: list | None
+) -> list[str]:
+    """Train the winner once more under the base's model name: the registry's own rule (the alias moves
+    only when it is better) decides, exactly as for `python -m flows.pretrain` with the printed flags."""
+    if best is None:
+        return ["nothing registered: no trial completed"]
+    params = best.params
+    if found is not None:
+        top = min(found, key=lambda v: v.candidate.mean) if found else None
+        if top is None or not top.real:
+            return ["nothing registered: the winner is not shown better than the base at p < 0.01"]
+        params = top.candidate.params
+    print(f"registering the winner: {pretrain_command(trial_values(spec, params))}")
+    plan = _plan(spec, -1, "winner", params, "winner", {}, adopted=False)
+    outcome = run_trial(plan, None, ctx)
+    if outcome.state != TrialState.COMPLETE or outcome.run_id is None:
+        return [f"registering the winner failed: {outcome.message}"]
+    version = (
+        store.get_client(ctx.uri).get_run(outcome.run_id).data.tags.get("llamaflow.registered_version", "?")
+    )
+    name = spec.base_config().model_name
+    return [
+        f"registered: models:/{name}/{version} ({spec.metric} {outcome.value:.5f}); see its promotion in the registry"
+    ]
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes as `python -m flows.pretrain`: 0 done, 1 failed, 2 bad input, 130 stopped."""
+    from flows.pretrain import _end_quietly, describe_validation_error
+    from flows.sweep_study import SpecChangedError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.sweep", description="Search PretrainConfig values with Optuna."
+    )
+    parser.add_argument("spec", type=Path, help="YAML sweep spec (see flows/sweep_spec.py)")
+    parser.add_argument(
+        "--register",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Train and register the winner under the base's model name (default: the spec's `register`)",
+    )
+    args = parser.parse_args(argv)
+    apply_embedded_defaults()
+    try:
+        spec = load_spec(args.spec)
+    except ValidationError as err:
+        print(f"invalid sweep spec {args.spec}:\n{describe_validation_error(err)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        print(f"invalid sweep spec: {err}", file=sys.stderr)
+        return 2
+    try:
+        sweep(spec, register_winner=args.register)
+    except KeyboardInterrupt as err:
+        _end_quietly(f"stopped: {err or 'interrupted'}; run the same command again to continue the sweep")
+        return 130
+    except SpecChangedError as err:
+        _end_quietly(f"error: {err}")
+        return 2
+    except Exception as err:
+        _end_quietly(f"error: {err}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""The Optuna study behind a sweep: where it is stored, its sampler and pruner, and which trial runs next.
+
+Storage: the spec's `storage`, else `LLAMAFLOW_SWEEP_STORAGE`, else a journal file under the home
+(`<home>/sweeps/<name>/optuna.journal`). An RDB URL (`postgresql+psycopg://...` on the PostgreSQL of
+`make services`, `sqlite:///...`) or `journal:PATH` may be given.
+
+A trial is RUNNING from the moment it is asked until it is told. Each records its owner (host, pid and
+the process's start time) and a heartbeat. A RUNNING trial whose owner is gone (a dead process on this
+host, or no heartbeat from another host for STALE_AFTER_S) was left by a killed sweep: the next sweep
+process adopts it (same number, same parameters, same run directory, so training resumes from its
+checkpoint) instead of asking a new one. The study therefore ends with exactly `trials` trials, however
+often the sweep was killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+from flows.sweep_spec import SweepSpec, is_integer
+from tasks import home
+
+STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
+STALE_AFTER_S = 180.0
+HEARTBEAT_S = 15.0
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+# A trial's user attributes (what the sweep records beside Optuna's own): OWNER is {host, pid, started}.
+OWNER, HEARTBEAT = "owner", "heartbeat"
+
+
+class SpecChangedError(ValueError):
+    """The study exists with another search: a rerun must keep what the finished trials were drawn from."""
+
+
+def storage_url(spec: SweepSpec) -> str:
+    return spec.storage or os.environ.get(STORAGE_ENV) or f"journal:{sweep_dir(spec.name) / 'optuna.journal'}"
+
+
+def sweep_dir(name: str) -> Path:
+    """Where a sweep keeps its journal, its trials' run directories and output."""
+    return home.home() / "sweeps" / name
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = home.local(url.removeprefix("journal:"))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
+    return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+
+
+def search_fingerprint(spec: SweepSpec) -> str:
+    """What the trials are drawn from and scored by: a rerun of the study must have the same."""
+    kept = spec.model_dump(mode="json", include={"base", "space", "sampler", "metric", "budget", "seed"})
+    return hashlib.blake2b(json.dumps(kept, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+class _Grid(optuna.samplers.GridSampler):
+    """Optuna's grid, which does not call `study.stop()` when it runs out (only `optimize` may): the sweep
+    counts its trials itself."""
+
+    def after_trial(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def sampler_of(spec: SweepSpec) -> optuna.samplers.BaseSampler:
+    if spec.sampler == "grid":
+        return _Grid({k: d.values() for k, d in spec.space.items()}, seed=spec.seed)
+    if spec.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=spec.seed)
+    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough.
+    startup = max(2, min(10, spec.n_trials // 3))
+    return optuna.samplers.TPESampler(seed=spec.seed, n_startup_trials=startup)
+
+
+def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:
+    if spec.pruner.name == "none":
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.SuccessiveHalvingPruner(
+        min_resource=spec.first_rung(), reduction_factor=spec.pruner.reduction_factor
+    )
+
+
+def open_study(
+    spec: SweepSpec,
+    *,
+    suffix: str = "",
+    pruned: bool = True,
+    sampler: optuna.samplers.BaseSampler | None = None,
+) -> optuna.Study:
+    """The study `spec.name + suffix`, created or loaded; refused when it was made from another search."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=spec.name + suffix,
+        storage=open_storage(storage_url(spec)),
+        sampler=sampler or sampler_of(spec),
+        pruner=pruner_of(spec) if pruned else optuna.pruners.NopPruner(),
+        direction="minimize",
+        load_if_exists=True,
+    )
+    fingerprint = search_fingerprint(spec)
+    recorded = study.user_attrs.get("search")
+    if recorded is None:
+        study.set_user_attr("search", fingerprint)
+        study.set_user_attr("spec", spec.model_dump(mode="json"))
+    elif recorded != fingerprint:
+        raise SpecChangedError(
+            f"study {study.study_name!r} in {home_free(storage_url(spec))} was made from another base, space, "
+            "sampler, metric, budget or seed: rerun it with the spec it was made from, or give the new search "
+            "another name"
+        )
+    return study
+
+
+def existing_study(spec: SweepSpec, suffix: str = "") -> optuna.Study | None:
+    """The study, read as it is (never created), or None before the sweep's first start."""
+    try:
+        return optuna.load_study(study_name=spec.name + suffix, storage=open_storage(storage_url(spec)))
+    except KeyError:
+        return None
+
+
+def home_free(url: str) -> str:
+    from tasks.tracking.store import redact_uri
+
+    return redact_uri(url)
+
+
+# ------------------------------------------------------------------ owners and adoption
+
+
+def this_owner() -> dict[str, Any]:
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": me.pid, "started": round(me.create_time(), 2)}
+
+
+def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
+    owner = trial.user_attrs.get(OWNER)
+    if not isinstance(owner, dict):
+        # Asked but killed before it recorded an owner: stale once no one has touched it for a while.
+        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        return (now or time.time()) - started > STALE_AFTER_S
+    if owner.get("host") == socket.gethostname():
+        return not _alive(int(owner.get("pid", -1)), float(owner.get("started", 0.0)))
+    beat = float(trial.user_attrs.get(HEARTBEAT, 0.0))
+    return (now or time.time()) - beat > STALE_AFTER_S
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0  # not a new process with the old pid
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+@dataclass
+class Claimed:
+    trial: optuna.trial.Trial
+    params: dict[str, Any]
+    adopted: bool  # a stale trial of a killed sweep, continued
+
+
+def claim_next(
+    study: optuna.Study,
+    total: int,
+    mine: set[int],
+    draw: Callable[[optuna.trial.Trial], dict[str, Any]],
+    recall: Callable[[FrozenTrial], dict[str, Any]],
+) -> Claimed | None:
+    """A stale trial to adopt (its values from `recall`), else a new one (values from `draw`) while fewer
+    than `total` are finished or running; `mine` holds the numbers this process runs."""
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for frozen in running:
+        if frozen.number not in mine and owner_gone(frozen):
+            trial = optuna.trial.Trial(study, frozen._trial_id)
+            mark_owner(trial)
+            return Claimed(trial, recall(frozen), True)
+    finished = len(study.get_trials(deepcopy=False, states=FINISHED))
+    if finished + len(running) >= total:
+        return None
+    trial = study.ask()
+    mark_owner(trial)
+    return Claimed(trial, draw(trial), False)
+
+
+def mark_owner(trial: optuna.trial.Trial) -> None:
+    trial.set_user_attr(OWNER, this_owner())
+    trial.set_user_attr(HEARTBEAT, time.time())
+
+
+def suggest(trial: optuna.trial.Trial, spec: SweepSpec) -> dict[str, Any]:
+    """The trial's values, drawn by the study's sampler (a grid draws every dimension from its values)."""
+    params: dict[str, Any] = {}
+    for name, dim in spec.space.items():
+        if spec.sampler == "grid" or dim.choices is not None:
+            params[name] = trial.suggest_categorical(name, dim.values())
+        elif is_integer(name, dim):
+            step = int(dim.step or 1)
+            params[name] = trial.suggest_int(name, int(dim.low), int(dim.high), step=step, log=dim.log)
+        else:
+            assert dim.low is not None and dim.high is not None
+            params[name] = trial.suggest_float(name, dim.low, dim.high, step=dim.step, log=dim.log)
+    return params
+
+
+def counts(study: optuna.Study) -> dict[str, int]:
+    trials = study.get_trials(deepcopy=False)
+    return {state.name.lower(): sum(t.state == state for t in trials) for state in TrialState}

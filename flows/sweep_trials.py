@@ -1,0 +1,332 @@
+"""One trial of a sweep: a `pretrain` run, started here (a child process running `python -m flows.pretrain
+--config`, the command line itself) or on the pool (a run of the pretrain deployment), watched until it
+ends.
+
+The trial's MLflow run carries its periodic validation scores (`val_subset/...`, logged by the engine every
+`eval_every` steps): they are reported to Optuna as they appear there, which works the same for a child
+process and for a worker on another machine. A trial the pruner stops is stopped like any run (SIGTERM to
+the child, cancellation of the flow run): training writes a checkpoint and ends. A child process also
+gets SIGTERM when the sweep process dies (Linux), and a sweep that adopts a killed sweep's trial first
+stops whatever of it still runs, then starts it again on the same run directory, which resumes training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+import yaml
+from optuna.trial import TrialState
+
+from flows.config import PretrainConfig
+from flows.sweep_spec import METRICS, SweepSpec, tokens_per_step
+from flows.sweep_study import HEARTBEAT, HEARTBEAT_S
+from tasks.home import PROJECT_ROOT
+from tasks.tracking import store
+
+# How often a running trial's MLflow run is read (its scores reach MLflow within ~1 s of the step).
+POLL_S = float(os.environ.get("LLAMAFLOW_SWEEP_POLL_S", "2"))
+LEASE_S = 120.0  # a slot of a killed sweep frees itself after this, unless the next sweep frees it first
+CHILD, FLOW_RUN, LEASE = "child", "flow_run_id", "lease_id"  # trial user attributes
+TAG_SWEEP, TAG_TRIAL, TAG_STATE, TAG_KIND = (
+    "llamaflow.sweep",
+    "llamaflow.sweep.trial",
+    "llamaflow.sweep.state",
+    "llamaflow.sweep.kind",
+)
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """A trial was stopped from outside the sweep (Ctrl-C): the sweep stops, the trial stays to resume."""
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    number: int  # Optuna's trial number (-1: not a trial, the winner's registration run)
+    kind: str  # search | confirm | winner
+    params: dict[str, Any]  # what the sampler drew (search), the candidate's values (confirm)
+    values: dict[str, Any]  # the run's PretrainConfig values: base, params, budget, what the sweep sets
+    directory: Path  # config.yaml and output.log here; the run's checkpoints too when it runs locally
+    prune: bool
+    adopted: bool
+
+    @property
+    def run_name(self) -> str:
+        return str(self.values["run_name"])
+
+
+@dataclass
+class TrialOutcome:
+    number: int
+    state: TrialState
+    value: float | None
+    steps: int
+    run_id: str | None
+    seconds: float
+    message: str = ""
+
+
+@dataclass
+class SweepContext:
+    spec: SweepSpec
+    uri: str  # MLflow store
+    parent_run_id: str
+    api_url: (
+        str  # the Prefect API the trials report to (this sweep's temporary server on the embedded default)
+    )
+    limit: str | None  # Prefect global concurrency limit; None on the embedded API (see flows.sweep)
+    interrupted: bool = field(default=False)
+
+
+def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepContext) -> TrialOutcome:
+    """Run `plan` to its end; report its scores to `trial` (pruning it when the study's pruner says so)."""
+    with _pool_slot(ctx.limit, trial):
+        started = time.monotonic()
+        launcher: LocalTrial | DeploymentTrial = (
+            LocalTrial(plan, ctx, trial) if ctx.spec.launch == "local" else DeploymentTrial(plan, ctx, trial)
+        )
+        launcher.start()
+        watch = RunWatch(plan, ctx)
+        scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
+        stop_sent, beat = False, 0.0
+        while True:
+            ended = launcher.poll()
+            for step, value in watch.new_scores():
+                if trial is None:
+                    continue
+                trial.report(value, step * scale)
+                if plan.prune and not stop_sent and trial.should_prune():
+                    print(f"trial {plan.number}: pruned at step {step} ({value:.4f}); stopping it")
+                    launcher.stop()
+                    stop_sent = True
+            if ended is not None:
+                break
+            if trial is not None and time.monotonic() - beat > HEARTBEAT_S:
+                trial.set_user_attr(HEARTBEAT, time.time())
+                beat = time.monotonic()
+            time.sleep(POLL_S)
+        ok, message = ended
+        seconds = time.monotonic() - started
+    if not ok and not stop_sent and launcher.interrupted:
+        raise SweepInterrupted(f"trial {plan.number} was stopped from outside the sweep: {message}")
+    value = watch.final_value() if ok else None
+    if ok and value is not None:
+        state = TrialState.COMPLETE
+    elif stop_sent:
+        state, message = TrialState.PRUNED, ""
+    else:
+        state = TrialState.FAIL
+        message = message or f"the run ended without {METRICS[ctx.spec.metric][0]}"
+    watch.mark(state)
+    return TrialOutcome(plan.number, state, value, watch.steps_trained(), watch.run_id, seconds, message)
+
+
+@contextmanager
+def _pool_slot(limit: str | None, trial: optuna.trial.Trial | None) -> Iterator[None]:
+    """A slot of the global concurrency limit for the trial's lifetime. Its lease id is kept on the trial,
+    so that a sweep adopting it after a kill -9 hands the dead process's slot back at once."""
+    if limit is None:
+        yield
+        return
+    # The composition `prefect.concurrency.sync.concurrency` makes, opened up for the lease id.
+    from prefect.concurrency._leases import maintain_concurrency_lease
+    from prefect.concurrency._sync import (
+        acquire_concurrency_slots_with_lease,
+        release_concurrency_slots_with_lease,
+    )
+
+    if trial is not None and (stale := trial.user_attrs.get(LEASE)):
+        with suppress(Exception):  # already expired and revoked
+            release_concurrency_slots_with_lease(stale)
+    response = acquire_concurrency_slots_with_lease([limit], 1, lease_duration=LEASE_S, strict=True)
+    if trial is not None:
+        trial.set_user_attr(LEASE, str(response.lease_id))
+    try:
+        with maintain_concurrency_lease(response.lease_id, LEASE_S):
+            yield
+    finally:
+        release_concurrency_slots_with_lease(response.lease_id)
+
+
+class LocalTrial:
+    """`python -m flows.sweep_child --config <directory>/config.yaml`: the pretrain command line, as a child."""
+
+    def __init__(self, plan: TrialPlan, ctx: SweepContext, trial: optuna.trial.Trial | None) -> None:
+        self.plan, self.ctx, self.trial = plan, ctx, trial
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stopped = False
+        self.interrupted = False
+        self.log = plan.directory / "output.log"
+
+    def start(self) -> None:
+        if self.trial is not None:
+            _stop_left_over(self.trial.user_attrs.get(CHILD))
+        self.plan.directory.mkdir(parents=True, exist_ok=True)
+        config = self.plan.directory / "config.yaml"
+        config.write_text(yaml.safe_dump(self.plan.values, sort_keys=False))
+        env = dict(os.environ)
+        env["PREFECT_API_URL"] = self.ctx.api_url
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        if self.ctx.spec.parallel > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.spec.parallel))
+        command = [sys.executable, "-m", "flows.sweep_child", str(os.getpid()), "--config", str(config)]
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if self.trial is not None:
+            child = psutil.Process(self.process.pid)
+            self.trial.set_user_attr(
+                CHILD,
+                {"host": socket.gethostname(), "pid": child.pid, "started": round(child.create_time(), 2)},
+            )
+
+    def poll(self) -> tuple[bool, str] | None:
+        assert self.process is not None
+        code = self.process.poll()
+        if code is None:
+            return None
+        self.interrupted = code == 130 and not self.stopped
+        return code == 0, "" if code == 0 else f"exit code {code}: {_last_line(self.log)}"
+
+    def stop(self) -> None:
+        assert self.process is not None
+        self.stopped = True
+        with suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+
+
+def _stop_left_over(child: Any, grace_s: float = 120.0) -> None:
+    """Stop the process a killed sweep left running for this trial (on this host), before it runs again."""
+    if not isinstance(child, dict) or child.get("host") != socket.gethostname():
+        return
+    try:
+        process = psutil.Process(int(child["pid"]))
+        if abs(process.create_time() - float(child["started"])) >= 1.0:
+            return  # another process now has that pid
+        process.send_signal(signal.SIGTERM)  # it writes a checkpoint, then ends
+        process.wait(grace_s)
+    except psutil.NoSuchProcess:
+        return
+    except psutil.TimeoutExpired:
+        process.kill()
+
+
+def _last_line(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class DeploymentTrial:
+    """A run of the pretrain deployment on its pool; a killed sweep's trial whose run still goes is rejoined."""
+
+    def __init__(self, plan: TrialPlan, ctx: SweepContext, trial: optuna.trial.Trial | None) -> None:
+        self.plan, self.ctx, self.trial = plan, ctx, trial
+        self.flow_run_id: str | None = None
+        self.interrupted = False
+
+    def start(self) -> None:
+        from prefect.deployments import run_deployment
+
+        recorded = self.trial.user_attrs.get(FLOW_RUN) if self.trial is not None else None
+        if recorded and self._state(recorded) is not None and not self._state(recorded).is_final():
+            self.flow_run_id = recorded
+            print(f"trial {self.plan.number}: rejoining its running flow run {recorded}")
+            return
+        values = {k: v for k, v in self.plan.values.items() if k != "checkpoint_dir"}  # the worker's own
+        flow_run = run_deployment(
+            self.ctx.spec.deployment,
+            parameters={"config": values},
+            timeout=0,
+            tags=[f"sweep:{self.ctx.spec.name}", f"trial:{self.plan.number}"],
+        )
+        self.flow_run_id = str(flow_run.id)
+        if self.trial is not None:
+            self.trial.set_user_attr(FLOW_RUN, self.flow_run_id)
+
+    def _state(self, flow_run_id: str) -> Any:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+
+    def poll(self) -> tuple[bool, str] | None:
+        assert self.flow_run_id is not None
+        state = self._state(self.flow_run_id)
+        if state is None or not state.is_final():
+            return None
+        return state.is_completed(), f"flow run {self.flow_run_id} {state.name}: {state.message or ''}"
+
+    def stop(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(
+                self.flow_run_id, Cancelling(message=f"pruned by sweep {self.ctx.spec.name}")
+            )
+
+
+class RunWatch:
+    """The trial's MLflow run: found by its run name, made a child of the sweep's run, read for scores."""
+
+    def __init__(self, plan: TrialPlan, ctx: SweepContext) -> None:
+        self.plan, self.ctx = plan, ctx
+        self.client = store.get_client(ctx.uri)
+        self.experiment = PretrainConfig(**plan.values).experiment
+        self.run_id: str | None = None
+        self.reported: set[int] = set()
+        self.score_key = METRICS[ctx.spec.metric][1]
+
+    def _find(self) -> str | None:
+        if self.run_id is None:
+            experiment = self.client.get_experiment_by_name(self.experiment)
+            if experiment is None:
+                return None
+            found = self.client.search_runs(
+                [experiment.experiment_id],
+                filter_string=f"attributes.run_name = '{self.plan.run_name}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+            if found:
+                self.run_id = found[0].info.run_id
+                self.client.set_tag(self.run_id, "mlflow.parentRunId", self.ctx.parent_run_id)
+                self.client.set_tag(self.run_id, TAG_SWEEP, self.ctx.spec.name)
+                self.client.set_tag(self.run_id, TAG_TRIAL, str(self.plan.number))
+                self.client.set_tag(self.run_id, TAG_KIND, self.plan.kind)
+                self.client.set_tag(self.run_id, TAG_STATE, "RUNNING")
+        return self.run_id
+
+    def new_scores(self) -> list[tuple[int, float]]:
+        if self._find() is None:
+            return []
+        history = self.client.get_metric_history(self.run_id, self.score_key)
+        new = sorted({m.step: m.value for m in history if m.step not in self.reported}.items())
+        self.reported.update(step for step, _ in new)
+        return new
+
+    def final_value(self) -> float | None:
+        if self._find() is None:
+            return None
+        return self.client.get_run(self.run_id).data.metrics.get(METRICS[self.ctx.spec.metric][0])
+
+    def steps_trained(self) -> int:
+        if self._find() is None:
+            return 0
+        return max((m.step for m in self.client.get_metric_history(self.run_id, "train/loss")), default=0)
+
+    def mark(self, state: TrialState) -> None:
+        if self._find() is not None:
+            self.client.set_tag(self.run_id, TAG_STATE, state.name)

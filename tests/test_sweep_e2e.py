@@ -1,0 +1,206 @@
+"""Sweeps end to end, as a user runs them (`python -m flows.sweep SPEC.yaml` against a Prefect server): a
+sweep killed with kill -9 after two finished trials and run again ends with exactly its trials, none run
+twice, the killed one resumed from its checkpoint; every trial an MLflow run nested under the sweep's; no
+alias of the base's model moved; and the pruner stops a weak trial before its last step."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+import yaml
+from optuna.trial import TrialState
+from registry_world import corpus, stdlib_text
+
+from flows.sweep_study import open_storage
+from prefect_server import prefect_server, tail
+from tasks.tracking import store
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[1]
+BASE = {  # the tiny preset, eager, fp32, on a few KB of text: orchestration is under test, not speed
+    "preset": "tiny",
+    "vocab_size": 384,
+    "seq_len": 64,
+    "micro_batch_size": 4,
+    "accumulate_steps": 1,
+    "warmup_steps": 1,
+    "compile": False,
+    "dtype": "fp32",
+    "eval_max_blocks": 8,
+    "num_samples": 0,
+    "experiment": "sweep-e2e",
+    "model_name": "sweep-e2e-model",
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str], dict]]:
+    root = tmp_path_factory.mktemp("sweeps")
+    texts = stdlib_text(("textwrap.py", "shlex.py", "colorsys.py", "bisect.py"), 6000)
+    data = {"data": corpus(root, "train", texts[:3]), "val_data": corpus(root, "val", texts[3:])}
+    base_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLAMAFLOW_HOME": str(root / "home"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+        "LLAMAFLOW_SWEEP_POLL_S": "0.5",
+        "OMP_NUM_THREADS": "1",
+    }
+    with prefect_server(root / "prefect", base_env) as (_, env):
+        yield root, env, data
+
+
+def _sweep(root: Path, env: dict[str, str], spec: dict) -> subprocess.Popen[bytes]:
+    path = root / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    log = (root / f"{spec['name']}.log").open("ab")
+    command = [sys.executable, "-m", "flows.sweep", str(path)]
+    return subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _study(root: Path, name: str) -> optuna.Study:
+    storage = open_storage(f"journal:{root / 'home' / 'sweeps' / name / 'optuna.journal'}")
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def _wait(condition, timeout_s: float, what: str, log: Path) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s:.0f} s:\n{tail(log)}")
+        time.sleep(0.5)
+
+
+def _runs(env: dict[str, str]) -> list:
+    client = store.get_client(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name(BASE["experiment"])
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in_mlflow(world: tuple) -> None:
+    root, env, data = world
+    name = "resume"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 40, "checkpoint_every": 5},
+        "space": {"lr": {"choices": [0.003, 0.002, 0.001]}},
+        "sampler": "grid",
+    }
+    log = root / f"{name}.log"
+    first = _sweep(root, env, spec)
+    trial_dir = root / "home" / "sweeps" / name
+
+    def two_done_and_the_third_checkpointed() -> bool:
+        if first.poll() is not None:
+            raise AssertionError(f"the sweep ended before it was killed:\n{tail(log)}")
+        if not (trial_dir / "optuna.journal").is_file():
+            return False
+        trials = _study(root, name).get_trials()
+        done = sum(t.state == TrialState.COMPLETE for t in trials)
+        return done == 2 and any((trial_dir / "trial-002" / "run").glob("step_*"))
+
+    try:
+        _wait(
+            two_done_and_the_third_checkpointed, 600, "two finished trials and a checkpoint of the third", log
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    running = _study(root, name).trials[2]
+    assert running.state == TrialState.RUNNING
+    # The trial's process sees its sweep die (PR_SET_PDEATHSIG) and stops by itself, after a checkpoint.
+    child = running.user_attrs["child"]
+    _wait(lambda: not psutil.pid_exists(child["pid"]), 120, "the killed sweep's trial to stop", log)
+
+    again = _sweep(root, env, spec)
+    assert again.wait(timeout=600) == 0, tail(log)
+
+    trials = _study(root, name).get_trials()
+    assert [(t.number, t.state) for t in trials] == [(n, TrialState.COMPLETE) for n in range(3)]
+    assert sorted(t.params["lr"] for t in trials) == [0.001, 0.002, 0.003]
+    third = (trial_dir / "trial-002" / "output.log").read_text()
+    assert "resuming from checkpoint" in third  # continued, not started again
+    for number in (0, 1):  # the finished ones did not run again
+        assert (trial_dir / f"trial-{number:03d}" / "output.log").read_text().count("Beginning flow run") == 1
+    assert "continuing: 2 complete, 0 pruned, 1 to resume" in log.read_text()
+
+    # MLflow: one parent run for the sweep, every trial one run nested under it, with the trial's numbers.
+    runs = _runs(env)
+    parents = [r for r in runs if r.data.tags.get("llamaflow.sweep.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.run_name == name and parents[0].info.status == "FINISHED"
+    parent = parents[0].info.run_id
+    children = sorted(
+        (r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent), key=lambda r: r.info.run_name
+    )
+    assert [r.info.run_name for r in children] == [f"{name}-trial-{n:03d}" for n in range(3)]
+    for run, trial in zip(children, trials, strict=True):
+        assert run.data.tags["llamaflow.sweep.state"] == "COMPLETE" and run.info.status == "FINISHED"
+        assert run.data.params["lr"] == str(trial.params["lr"])
+        assert run.data.metrics["val/bits_per_byte"] == pytest.approx(trial.value)
+    client = store.get_client(env["MLFLOW_TRACKING_URI"])
+    assert {a.path for a in client.list_artifacts(parent)} >= {"results.md", "trials.csv", "plots"}
+    assert "plots/optimization_history.png" in {a.path for a in client.list_artifacts(parent, "plots")}
+
+    # The trials registered under the sweep's own model; the base's model name was never touched.
+    assert not client.search_model_versions(f"name = '{BASE['model_name']}'")
+    swept = client.get_registered_model(f"{BASE['model_name']}-sweep-{name}")
+    assert "champion" in swept.aliases
+    # Every concurrency slot is back (the killed sweep's one was handed back by the second).
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}),
+        get_client(sync_client=True) as prefect,
+    ):
+        limits = prefect.read_global_concurrency_limits()
+    assert [(limit.name.startswith("llamaflow-sweeps-"), limit.active_slots) for limit in limits] == [
+        (True, 0)
+    ]
+
+
+def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> None:
+    root, env, data = world
+    name = "prune"
+    steps = 120
+    spec = {
+        "name": name,
+        "base": {
+            **BASE,
+            **data,
+            "max_steps": steps,
+            "checkpoint_every": 20,
+            "eval_every": 2,
+            "eval_blocks": 4,
+        },
+        # The grid draws 0.003 first (sampler seed 0), then a learning rate that cannot learn.
+        "space": {"lr": {"choices": [1e-7, 0.003]}},
+        "sampler": "grid",
+        "pruner": "asha",
+    }
+    log = root / f"{name}.log"
+    assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
+
+    good, weak = _study(root, name).get_trials()
+    assert good.params["lr"] == 0.003 and good.state == TrialState.COMPLETE
+    assert weak.params["lr"] == 1e-7 and weak.state == TrialState.PRUNED
+    assert min(weak.intermediate_values) == 2  # the first rung: the base's eval_every
+    run = next(r for r in _runs(env) if r.info.run_name == f"{name}-trial-001")
+    assert run.info.status == "KILLED" and run.data.tags["llamaflow.sweep.state"] == "PRUNED"
+    trained = store.get_client(env["MLFLOW_TRACKING_URI"]).get_metric_history(run.info.run_id, "train/loss")
+    assert 2 <= max(m.step for m in trained) < steps  # stopped early, after its first score
+    assert weak.user_attrs["steps"] == max(m.step for m in trained)
+    assert good.user_attrs["steps"] == steps
