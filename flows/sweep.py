@@ -32,13 +32,14 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
 from flows.sweep_report import (
+    Recommendation,
     compare,
     confirmation_lines,
     log_confirmation,
     log_results,
     markdown_table,
     open_parent,
-    recommendation,
+    recommend,
     trial_rows,
 )
 from flows.sweep_spec import SweepSpec, check_spec, load_spec, pretrain_command, trial_values
@@ -57,6 +58,7 @@ from tasks.home import apply_embedded_defaults
 from tasks.tracking import store
 
 trial_task = task(run_trial, name="trial", cache_policy=NO_CACHE, persist_result=False)
+STOP_WAIT_S = 300.0  # how long a stopping sweep waits for its trials' last checkpoints
 
 
 class SweepResult(BaseModel):
@@ -98,30 +100,20 @@ def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     best = min(complete, key=lambda t: t.value) if complete else None
     found = _confirm(spec, ctx, study) if spec.seeds and best is not None else None
-    lines = recommendation(spec, best, found)
+    advice = recommend(spec, best, found)
     confirmation = confirmation_lines(found, spec.seeds, spec.metric) if found else []
+    lines = [*confirmation, *advice.lines]
     if register_winner if register_winner is not None else spec.register_winner:
-        lines += _register_winner(spec, ctx, best, found)
+        lines += _register_winner(spec, ctx, advice)
     store.end_run(ctx.parent_run_id, "FINISHED", uri)
-    print(
-        "\n".join(
-            [
-                "",
-                "=" * 72,
-                *confirmation,
-                *lines,
-                f"this process: {time.monotonic() - started:,.0f} s",
-                "=" * 72,
-            ]
-        )
-    )
-    winner = lines[-1].split(": ", 1)[1] if lines[-1].startswith(("run it: ", "base:  ")) else None
+    elapsed = f"this process: {time.monotonic() - started:,.0f} s"
+    print("\n".join(["", "=" * 72, *lines, elapsed, "=" * 72]))
     return SweepResult(
         name=spec.name,
         trials=counts(study),
         best_params=best.params if best else None,
         best_value=best.value if best else None,
-        command=winner,
+        command=None if advice.params is None else pretrain_command(trial_values(spec, advice.params)),
         confirmation=confirmation,
         parent_run_id=ctx.parent_run_id,
         storage=home_free(storage_url(spec)),
@@ -175,6 +167,11 @@ def _params(frozen: FrozenTrial) -> dict[str, Any]:
     return dict(frozen.params)
 
 
+def _attrs(trial: optuna.trial.Trial | FrozenTrial) -> dict[str, Any]:
+    """A confirmation trial's candidate, values and seed (set when it was enqueued)."""
+    return dict(trial.user_attrs)
+
+
 def _search_plan(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
     number = claimed.trial.number
     return _plan(spec, number, "search", claimed.params, f"trial-{number:03d}", {}, claimed.adopted)
@@ -205,28 +202,36 @@ def _run_trials(
     spec = ctx.spec
     in_flight: dict[int, tuple[optuna.trial.Trial, Any]] = {}
     mine: set[int] = set()
-    while True:
-        while len(in_flight) < spec.parallel:
-            claimed = claim_next(study, total, mine, draw, recall)
-            if claimed is None:
-                break
-            plan = plan_for(spec, claimed)
-            mine.add(plan.number)
-            resumed = " (resumed: its sweep was killed)" if claimed.adopted else ""
-            print(
-                f"{plan.kind} trial {plan.number}{resumed}: {pretrain_command(trial_values(spec, plan.params))}"
-            )
-            future = trial_task.with_options(task_run_name=plan.run_name).submit(plan, claimed.trial, ctx)
-            in_flight[plan.number] = (claimed.trial, future)
-        if not in_flight:
-            return
-        while not (done := [n for n, (_, f) in in_flight.items() if f.state.is_final()]):
-            time.sleep(1.0)
-        for number in done:
-            trial, future = in_flight.pop(number)
-            outcome: TrialOutcome = future.result()
-            _tell(study, trial, outcome)
-        log_results(spec, study, ctx.parent_run_id, ctx.uri, plots=False)  # a killed sweep leaves its table
+    try:
+        while True:
+            while len(in_flight) < spec.parallel:
+                claimed = claim_next(study, total, mine, draw, recall)
+                if claimed is None:
+                    break
+                plan = plan_for(spec, claimed)
+                mine.add(plan.number)
+                resumed = " (resumed: its sweep was stopped)" if claimed.adopted else ""
+                command = pretrain_command(trial_values(spec, plan.params))
+                print(f"{plan.kind} trial {plan.number}{resumed}: {command}")
+                future = trial_task.with_options(task_run_name=plan.run_name).submit(plan, claimed.trial, ctx)
+                in_flight[plan.number] = (claimed.trial, future)
+            if not in_flight:
+                return
+            while not (done := [n for n, (_, f) in in_flight.items() if f.state.is_final()]):
+                time.sleep(1.0)
+            for number in done:
+                trial, future = in_flight.pop(number)
+                _tell(study, trial, future.result())
+            log_results(
+                spec, study, ctx.parent_run_id, ctx.uri, plots=False
+            )  # a killed sweep leaves its table
+    except BaseException:
+        # Ctrl-C, a cancelled flow run, a failed trial task: stop the other trials too (each writes a
+        # checkpoint and stays RUNNING in the study, released, for the next sweep to continue).
+        ctx.stopping.set()
+        for _, future in in_flight.values():
+            future.wait(timeout=STOP_WAIT_S)
+        raise
 
 
 def _tell(study: optuna.Study, trial: optuna.trial.Trial, outcome: TrialOutcome) -> None:
@@ -275,7 +280,6 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
                 )
     print(f"confirmation: {len(candidates)} configurations x {len(spec.seeds)} seeds")
     total = len(candidates) * len(spec.seeds)
-    attrs_of: Callable[[Any], dict[str, Any]] = lambda t: t.user_attrs  # noqa: E731
 
     def plan_for(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
         a = claimed.params
@@ -284,7 +288,7 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
             spec, claimed.trial.number, "confirm", a["params"], label, {"seed": a["seed"]}, claimed.adopted
         )
 
-    _run_trials(confirm, ctx, total, plan_for, draw=attrs_of, recall=attrs_of)
+    _run_trials(confirm, ctx, total, plan_for, draw=_attrs, recall=_attrs)
     values: dict[str, dict[int, float]] = {}
     for t in confirm.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         values.setdefault(t.user_attrs["candidate"], {})[t.user_attrs["seed"]] = t.value
@@ -298,30 +302,21 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
     return result
 
 
-def _register_winner(
-    spec: SweepSpec, ctx: SweepContext, best: FrozenTrial | None, found: list | None
-) -> list[str]:
-    """Train the winner once more under the base's model name: the registry's own rule (the alias moves
-    only when it is better) decides, exactly as for `python -m flows.pretrain` with the printed flags."""
-    if best is None:
-        return ["nothing registered: no trial completed"]
-    params = best.params
-    if found is not None:
-        top = min(found, key=lambda v: v.candidate.mean) if found else None
-        if top is None or not top.real:
-            return ["nothing registered: the winner is not shown better than the base at p < 0.01"]
-        params = top.candidate.params
-    print(f"registering the winner: {pretrain_command(trial_values(spec, params))}")
-    plan = _plan(spec, -1, "winner", params, "winner", {}, adopted=False)
+def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation) -> list[str]:
+    """Train the recommended configuration once more under the base's model name: the registry's own rule
+    (the alias moves only when it is better) decides, exactly as for the printed command."""
+    if not advice.params:
+        return ["nothing registered: " + ("no trial completed" if advice.params is None else "keep the base")]
+    plan = _plan(spec, -1, "winner", advice.params, "winner", {}, adopted=False)
+    print(f"registering the winner: {pretrain_command(trial_values(spec, advice.params))}")
     outcome = run_trial(plan, None, ctx)
     if outcome.state != TrialState.COMPLETE or outcome.run_id is None:
         return [f"registering the winner failed: {outcome.message}"]
-    version = (
-        store.get_client(ctx.uri).get_run(outcome.run_id).data.tags.get("llamaflow.registered_version", "?")
-    )
+    tags = store.get_client(ctx.uri).get_run(outcome.run_id).data.tags
     name = spec.base_config().model_name
     return [
-        f"registered: models:/{name}/{version} ({spec.metric} {outcome.value:.5f}); see its promotion in the registry"
+        f"registered: models:/{name}/{tags.get('llamaflow.registered_version', '?')} ({spec.metric} "
+        f"{outcome.value:.5f}); the registry decided whether @{spec.base_config().alias} moved"
     ]
 
 

@@ -4,7 +4,6 @@ the results table and Optuna's plots; the seed-confirmation statistics; the prin
 from __future__ import annotations
 
 import io
-import math
 import statistics
 import warnings
 from dataclasses import dataclass
@@ -236,26 +235,31 @@ def _params(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={_short(v)}" for k, v in params.items())
 
 
-def recommendation(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | None) -> list[str]:
-    """The closing lines: the configuration to adopt as `python -m flows.pretrain` flags, and whether the
-    confirmation showed it better than the base."""
+@dataclass(frozen=True)
+class Recommendation:
+    params: dict[str, Any] | None  # the sampled values to adopt ({}: keep the base); None: nothing finished
+    lines: list[str]
+
+
+def recommend(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | None) -> Recommendation:
+    """What to adopt, and the closing lines that say it as `python -m flows.pretrain` flags. With a
+    confirmation, only a configuration better than the base at p < 0.01 (the best mean among those) is."""
     if best is None:
-        return ["no trial completed: nothing to recommend (see the failed trials' output above)"]
+        return Recommendation(
+            None, ["no trial completed: nothing to recommend (see the failed trials' output)"]
+        )
     lines = [f"best trial: {best.number}, {spec.metric} {best.value:.5f}, {_params(best.params)}"]
-    winner = best.params
+    params = best.params
     if found is not None:
-        top = min(found, key=lambda v: v.candidate.mean) if found else None
-        if top is None or not top.real:
+        real = [v for v in found if v.real]
+        if not real:
             lines.append(
-                "the confirmation does not show any configuration better than the base at p < 0.01: keep the base"
+                "the confirmation shows no configuration better than the base at p < 0.01: keep the base"
             )
-            lines.append(f"base:  {pretrain_command(trial_values(spec, {}))}")
-            return lines
-        winner = top.candidate.params
+            lines.append(f"base: {pretrain_command(trial_values(spec, {}))}")
+            return Recommendation({}, lines)
+        top = min(real, key=lambda v: v.candidate.mean)
+        params = top.candidate.params
         lines.append(f"{top.candidate.name} is better than the base at p < 0.01 (p = {top.p_value:.2g})")
-    lines.append(f"run it: {pretrain_command(trial_values(spec, winner))}")
-    return lines
-
-
-def is_finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
+    lines.append(f"run it: {pretrain_command(trial_values(spec, params))}")
+    return Recommendation(params, lines)

@@ -149,6 +149,8 @@ def this_owner() -> dict[str, Any]:
 
 def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
     owner = trial.user_attrs.get(OWNER)
+    if isinstance(owner, dict) and owner.get("released"):
+        return True
     if not isinstance(owner, dict):
         # Asked but killed before it recorded an owner: stale once no one has touched it for a while.
         started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
@@ -194,6 +196,11 @@ def claim_next(
     trial = study.ask()
     mark_owner(trial)
     return Claimed(trial, draw(trial), False)
+
+
+def release(trial: optuna.trial.Trial) -> None:
+    """Give up a trial left unfinished (its sweep was stopped): the next sweep, even in this process, takes it."""
+    trial.set_user_attr(OWNER, {"released": True})
 
 
 def mark_owner(trial: optuna.trial.Trial) -> None:

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -31,7 +32,7 @@ from optuna.trial import TrialState
 
 from flows.config import PretrainConfig
 from flows.sweep_spec import METRICS, SweepSpec, tokens_per_step
-from flows.sweep_study import HEARTBEAT, HEARTBEAT_S
+from flows.sweep_study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking import store
 
@@ -86,7 +87,7 @@ class SweepContext:
         str  # the Prefect API the trials report to (this sweep's temporary server on the embedded default)
     )
     limit: str | None  # Prefect global concurrency limit; None on the embedded API (see flows.sweep)
-    interrupted: bool = field(default=False)
+    stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
 
 
 def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepContext) -> TrialOutcome:
@@ -99,9 +100,12 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
         launcher.start()
         watch = RunWatch(plan, ctx)
         scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
-        stop_sent, beat = False, 0.0
+        stop_sent, shutdown, beat = False, False, 0.0
         while True:
             ended = launcher.poll()
+            if ended is None and ctx.stopping.is_set() and not stop_sent:
+                launcher.stop()  # it writes a checkpoint and ends; the study keeps the trial to continue
+                stop_sent = shutdown = True
             for step, value in watch.new_scores():
                 if trial is None:
                     continue
@@ -118,8 +122,10 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
             time.sleep(POLL_S)
         ok, message = ended
         seconds = time.monotonic() - started
-    if not ok and not stop_sent and launcher.interrupted:
-        raise SweepInterrupted(f"trial {plan.number} was stopped from outside the sweep: {message}")
+    if shutdown or (not ok and not stop_sent and launcher.interrupted):
+        if trial is not None:
+            release(trial)
+        raise SweepInterrupted(f"trial {plan.number} stopped with its sweep: {message}")
     value = watch.final_value() if ok else None
     if ok and value is not None:
         state = TrialState.COMPLETE
