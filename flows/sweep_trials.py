@@ -246,7 +246,8 @@ class DeploymentTrial:
         from prefect.deployments import run_deployment
 
         recorded = self.trial.user_attrs.get(FLOW_RUN) if self.trial is not None else None
-        if recorded and self._state(recorded) is not None and not self._state(recorded).is_final():
+        state = self._state(recorded) if recorded else None
+        if state is not None and not state.is_final():
             self.flow_run_id = recorded
             print(f"trial {self.plan.number}: rejoining its running flow run {recorded}")
             return

@@ -94,7 +94,7 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     name = "resume"
     spec = {
         "name": name,
-        "base": {**BASE, **data, "max_steps": 40, "checkpoint_every": 5},
+        "base": {**BASE, **data, "max_steps": 200, "checkpoint_every": 10},
         "space": {"lr": {"choices": [0.003, 0.002, 0.001]}},
         "sampler": "grid",
     }
@@ -124,6 +124,7 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     # The trial's process sees its sweep die (PR_SET_PDEATHSIG) and stops by itself, after a checkpoint.
     child = running.user_attrs["child"]
     _wait(lambda: not psutil.pid_exists(child["pid"]), 120, "the killed sweep's trial to stop", log)
+    assert "training stopped by SIGTERM" in (trial_dir / "trial-002" / "output.log").read_text()
 
     again = _sweep(root, env, spec)
     assert again.wait(timeout=600) == 0, tail(log)
@@ -175,14 +176,14 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
 def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> None:
     root, env, data = world
     name = "prune"
-    steps = 120
+    steps = 300  # long enough on a fast host for the stop to land well before the end
     spec = {
         "name": name,
         "base": {
             **BASE,
             **data,
             "max_steps": steps,
-            "checkpoint_every": 20,
+            "checkpoint_every": 100,
             "eval_every": 2,
             "eval_blocks": 4,
         },
