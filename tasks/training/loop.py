@@ -99,7 +99,7 @@ class TrainLoop:
                 compiles_before = watch.count
                 metrics = self._one_step()
                 if self.periodic_eval is not None:
-                    metrics.update(self.periodic_eval.after_step(self.plain, self.step))
+                    metrics.update(self.periodic_eval.after_step(self.parallel.plain, self.step))
                 if self.step - 1 > self.start_step:
                     compiles_after_first += watch.count - compiles_before
                     if watch.count > compiles_before:
