@@ -154,9 +154,11 @@ def test_padded_batches_equal_single_sequences_and_padding_is_zero() -> None:
 
 
 def test_all_ones_mask_equals_no_mask() -> None:
+    torch.manual_seed(0)
     model = tiny()
     ids = torch.randint(0, 8192, (2, 10))
-    torch.testing.assert_close(model(ids, torch.ones_like(ids)), model(ids), rtol=0, atol=2e-6)
+    # The two paths run different attention kernels: equal up to float32 rounding (logits of order 1).
+    torch.testing.assert_close(model(ids, torch.ones_like(ids)), model(ids), rtol=0, atol=1e-5)
 
 
 def test_init_is_a_function_of_the_seed_and_of_initializer_range() -> None:
