@@ -111,6 +111,22 @@ def test_blocks_concatenate_back_to_the_token_stream(
     assert (directory / "tokenizer.json").read_bytes() == Path(tokenizer.path).read_bytes()
 
 
+def test_empty_files_inside_the_corpus_do_not_end_the_packing(home: Path, tmp_path: Path) -> None:
+    """A file that yields no tokens (an empty `__init__.py`: the stdlib has dozens) between others: the
+    files after it are still packed, and no block is padding."""
+    corpus_dir = _corpus(tmp_path / "corpus")
+    for name in ("bisect_a.py", "fnmatch_b.py", "glob_c.py", "heapq_d.py", "shlex_e.py", "string_f.py"):
+        (corpus_dir / name).write_text("")
+    tokenizer = train_tokenizer(str(corpus_dir), 384, val_fraction=0.2)
+    ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
+    corpus = resolve_corpus(str(corpus_dir), val_fraction=0.2)
+    for array, split in zip(_arrays(ref), (corpus.train, corpus.val), strict=True):
+        stream = _stream([text for text in split.texts() if text], tokenizer)
+        assert array.size == (len(stream) // (SEQ_LEN + 1)) * (SEQ_LEN + 1)
+        np.testing.assert_array_equal(array.reshape(-1), stream[: array.size])
+        assert tokenizer.pad_id not in array
+
+
 def test_keep_remainder_pads_the_last_block_and_bos_starts_documents(
     home: Path, corpus_dir: Path, tokenizer: TokenizerRef
 ) -> None:

@@ -242,9 +242,11 @@ def pack_parts(
     root = tokens_dir()
     offset = 0
     for key, length in zip(keys, lengths, strict=True):
-        take = min(length, kept - offset)
-        if take <= 0:
+        if offset == kept:
             break
+        take = min(length, kept - offset)
+        if take == 0:  # a part without tokens (an empty file): the parts after it still count
+            continue
         data, _ = _entry(key, root)
         flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
         offset += take
