@@ -108,7 +108,12 @@ def test_the_probe_uses_mlflows_tls_settings(
         tracking_store.check_tracking_store(uri)  # the self-signed certificate is not trusted yet
     assert SECRET not in str(excinfo.value) and "MLFLOW_TRACKING_SERVER_CERT_PATH" in str(excinfo.value)
     monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
-    assert tracking_store.check_tracking_store(uri) == uri
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    # The credentials leave the URI for the environment, where MLflow's client reads them.
+    assert tracking_store.check_tracking_store(uri) == uri.replace(f"llama:{SECRET}@", "")
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "llama"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == SECRET
 
 
 def test_tracking_and_registry_through_the_server(
@@ -117,6 +122,10 @@ def test_tracking_and_registry_through_the_server(
     uri, cert = tls_server
     monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    tracking_store.check_tracking_store()  # as every entry point does: the credentials leave the URI
+    assert SECRET not in os.environ["MLFLOW_TRACKING_URI"]
     before = mlflow.get_tracking_uri()
     run_id = tracking_store.start_run("server-tests", run_name="over-https")
     tracking_store.log_params(run_id, {"model": tiny_config().to_dict()})
@@ -148,7 +157,7 @@ def test_tracking_and_registry_through_the_server(
     assert {i.dataset.digest for i in run.inputs.dataset_inputs} == {world.dataset.fingerprint[:36]}
     assert "loss_curve.png" in [f.path for f in client.list_artifacts(run_id)]
     link = tracking_store.run_link(run_id)
-    assert link.startswith("https://llama:***@127.0.0.1:") and "/#/experiments/" in link
+    assert link.startswith("https://127.0.0.1:") and "/#/experiments/" in link and SECRET not in link
 
     assert result.promoted and result.version == "1"
     version = client.get_model_version("llamaflow-server", "1")
