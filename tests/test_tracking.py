@@ -318,6 +318,8 @@ def test_closed_server_port_fails_fast_with_the_fix(monkeypatch: pytest.MonkeyPa
 def test_a_server_uri_with_credentials_is_probed_not_crashed_on_and_never_shown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)  # the door puts them there; removed again after the test
     port = _closed_port()
     for scheme in ("https", "http"):
         uri = f"{scheme}://llama:{SECRET}@127.0.0.1:{port}"
@@ -326,7 +328,7 @@ def test_a_server_uri_with_credentials_is_probed_not_crashed_on_and_never_shown(
             store.check_tracking_store(uri)
         assert time.perf_counter() - started < 5, "no retries: a closed port fails in seconds"
         message = str(excinfo.value)
-        assert SECRET not in message and f"{scheme}://llama:***@127.0.0.1:{port}" in message
+        assert SECRET not in message and f"{scheme}://127.0.0.1:{port}" in message
 
 
 @pytest.mark.parametrize(
