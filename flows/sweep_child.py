@@ -2,8 +2,11 @@
 
     python -m flows.sweep_child SWEEP_PID --config trial/config.yaml
 
-On Linux the child asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so a sweep killed with
+On Linux the child asks to be told when its parent dies (PR_SET_PDEATHSIG), so a sweep killed with
 kill -9 leaves no trial training on: each writes a checkpoint and ends, and the next sweep resumes it.
+The kernel sends that signal each time the child is handed to another dying thread of the parent (a
+multi-threaded sweep: once per thread), so it asks for SIGUSR1 and turns the first into one SIGTERM, the
+engine's stop request; a second SIGTERM would mean "stop without a checkpoint".
 """
 
 from __future__ import annotations
@@ -15,12 +18,18 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def _parent_died(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the repeats
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
     parent, args = int(argv[0]), argv[1:]
     if sys.platform == "linux":
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        signal.signal(signal.SIGUSR1, _parent_died)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR1))
         if os.getppid() != parent:  # the sweep died before the request was in place
             return 130
     from flows.pretrain import main as pretrain_main

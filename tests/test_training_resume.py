@@ -126,7 +126,7 @@ CHANGES_THE_RUN: dict[str, object] = {
     "document_mask": True,
 }
 # Settings that decide the global batch or the run length, which a resume compares instead (below):
-SHAPES_THE_RUN = {"micro_batch_size", "accumulate_steps", "max_steps", "epochs", "nproc_per_node"}
+SHAPES_THE_RUN = {"micro_batch_size", "accumulate_steps", "max_steps", "epochs", "nproc_per_node", "nnodes"}
 # Settings a resume may change (how the run is carried out), each with a value other than settings()'s:
 CARRIES_OUT_THE_RUN: dict[str, object] = {
     "compile": True,
@@ -136,6 +136,16 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "keep_checkpoints": 5,
     "log_every": 2,
     "max_time_s": 3600.0,
+    "data_parallel": "fsdp",
+    "activation_checkpointing": "full",
+    "max_restarts": 2,
+    "rdzv_endpoint": "127.0.0.1:29400",
+    "rdzv_id": "another-job",
+    "rdzv_timeout_s": 60,
+    "process_group_timeout_min": 5.0,
+    "stop_grace_s": 30,
+    "eval_every": 2,
+    "eval_blocks": 8,
 }
 
 
@@ -238,7 +248,7 @@ def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_is_at_its_de
 ) -> None:
     run_dir = copy_of(stopped, tmp_path)
     forget(run_dir / "step_000004", "train_settings.json", "document_mask", "muon_weight_decay")
-    forget(run_dir / "step_000004", "config.json", "value_embeds", "bigram_embeds")
+    forget(run_dir / "step_000004", "config.json", "value_embeds")
     with pytest.raises(TrainingError) as info:
         fit(model_ref, dataset, settings(document_mask=True), run_dir, progress=False)
     assert (
