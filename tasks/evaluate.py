@@ -28,6 +28,7 @@ from tasks.scoring import (
 )
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
+from tasks.training.precision import resolve_dtype
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")
 
@@ -122,12 +123,13 @@ def evaluate(
     max_new_tokens: int = 48,
     seed: int = 0,
     device: str = "auto",
-    dtype: str = "bf16",
+    dtype: str = "auto",
 ) -> EvalResult:
     """Bits per byte and loss of the trained weights on the first `max_blocks` validation blocks' text (every
     block when None), and of the initial ones, for contrast, and of the earlier checkpoints kept in the run
     directory; xz's bits per byte on the same bytes, and samples."""
     dev = resolve_device(device)
+    dtype = resolve_dtype(dev, dtype)
     text = validation_text(dataset, tokenizer, max_blocks)
     kwargs = {"seq_len": dataset.seq_len, "device": dev, "dtype": dtype}
     initial_loss = initial_bpb = None

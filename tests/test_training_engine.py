@@ -474,3 +474,25 @@ def test_the_checkpoint_says_what_set_the_run_length(
     assert "3.625 steps per epoch" in by_epochs.run_length
     # A resumed run that is already finished says the same.
     assert fit(model_ref, dataset, settings(epochs=1.0), tmp_path / "epochs", progress=False) == by_epochs
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_trains_in_bf16_only_where_the_hardware_has_it(
+    tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """`auto` becomes a concrete precision at the start of the run: what the checkpoint records and what
+    trains (bf16 autocast changes the losses); an explicit bf16 without hardware support warns."""
+    import json
+
+    from tasks.training import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device_type: native)
+    auto = fit(model_ref, dataset, settings(dtype="auto", max_steps=2), tmp_path / "auto", progress=False)
+    saved = json.loads((Path(auto.path) / "train_settings.json").read_text())
+    assert saved["dtype"] == ("bf16" if native else "fp32")
+    explicit = "bf16" if native else "fp32"
+    same = fit(model_ref, dataset, settings(dtype=explicit, max_steps=2), tmp_path / "same", progress=False)
+    assert read_metrics(auto.run_dir)[2]["train/loss"] == read_metrics(same.run_dir)[2]["train/loss"]
+    if not native:
+        with pytest.warns(RuntimeWarning, match="emulated"):
+            precision.resolve_dtype(torch.device("cpu"), "bf16")

@@ -29,6 +29,7 @@ from tasks.training.optim import build_optimizer
 from tasks.training.optimizer_state import load_optimizer_state
 from tasks.training.parallelize import parallelize
 from tasks.training.periodic_eval import PeriodicEval
+from tasks.training.precision import resolve_dtype
 from tasks.training.resume import RunShape, check_resume, find_resume
 from tasks.training.schedule import describe_run_length, total_optimizer_steps
 from tasks.training.settings import TrainSettings
@@ -121,6 +122,8 @@ def run_process(
     dist = dist or DistContext()
     config, meta = validate_inputs(model_ref, dataset_ref, settings)
     device = resolve_device(settings.device, dist.local_rank)
+    # From here on the run's precision is concrete (bf16 or fp32), as its checkpoints and metrics record it.
+    settings = settings.model_copy(update={"dtype": resolve_dtype(device, settings.dtype)})
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the first NCCL collective (the resume broadcast)
     run_dir = Path(run_dir).resolve()

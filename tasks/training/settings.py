@@ -102,7 +102,11 @@ class TrainSettings(BaseModel):
     compile: MayChange[bool] = Field(
         True, description="torch.compile the model (after any checkpoint is loaded)"
     )
-    dtype: MayChange[Literal["bf16", "fp32"]] = Field("bf16", description="Autocast precision")
+    dtype: MayChange[Literal["auto", "bf16", "fp32"]] = Field(
+        "auto",
+        description="Autocast precision: auto is bf16 where the hardware has it (CUDA from Ampere on, CPUs "
+        "with AVX-512 BF16 or AMX) and fp32 elsewhere (an AVX2 CPU emulates bf16, 20-50x slower)",
+    )
     document_mask: MustMatch[bool] = Field(
         False,
         description="Attention stays inside each document of a packed block (documents end with EOS)",
