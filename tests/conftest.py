@@ -69,3 +69,17 @@ def _no_stale_mlflow_tracking_uri():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+@pytest.fixture(autouse=True)
+def _no_credentials_left_in_the_environment():
+    """The credentials door (tasks/credentials.py) moves a URI's user and password into these variables of
+    this process: what a test put there leaves with it, so no later test starts with another's credentials."""
+    names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PGPASSWORD", "PREFECT_API_AUTH_STRING")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -168,7 +168,22 @@ def prefect_server(
         wait_healthy(api_url, proc, log, health_timeout_s)
         yield api_url, env
     finally:
+        drain_prefect_clients()
         stop_process_tree(proc)
+
+
+def drain_prefect_clients(timeout_s: float = 30.0) -> None:
+    """Send and stop this process's Prefect event and log workers while their server is still up.
+
+    Prefect keeps one events worker per client type, not per API URL: one that a test's in-process calls
+    started against this server would keep sending every later module's events here after it stopped,
+    each send timing out (and prefect_test_harness's drain hanging on them). prefect_test_harness drains
+    them at its end; a test server started here does the same."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (EventsWorker, APILogWorker):
+        service.drain_all(timeout=timeout_s)
 
 
 @contextlib.contextmanager

@@ -9,11 +9,11 @@ worker SIGKILLed), starts both nodes again, resumes from the newest checkpoint, 
 
 from __future__ import annotations
 
-import _thread
-import contextvars
 import json
 import os
-import threading
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -253,34 +253,41 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
     assert len(runs) == 2 and all(r.state.type.value == "CANCELLED" for r in runs)
 
     # The pretrain run stopped while it waits (a cancellation arrives as an exception in the flow run, as
-    # Ctrl-C does): every node run is cancelled at once, not left to the server's cleanup pass.
-    def interrupt_once_both_nodes_exist() -> None:
+    # Ctrl-C does): every node run is cancelled at once, not left to the server's cleanup pass. In a process
+    # of its own: a KeyboardInterrupt in this one would leave Prefect's shared event loop mid-call.
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from flows.placement import train_on_deployment; "
+            "from tasks.refs import DatasetRef, ModelRef; from tasks.training import TrainSettings; "
+            "train_on_deployment('remote-train/idle', ModelRef.model_validate_json(sys.argv[1]), "
+            "DatasetRef.model_validate_json(sys.argv[2]), TrainSettings.model_validate_json(sys.argv[3]), "
+            "sys.argv[4], run_id=None, retries=0, timeout_s=600)",
+            model.model_dump_json(),
+            dataset.model_dump_json(),
+            settings.model_dump_json(),
+            str(tmp_path / "run2"),
+        ],
+        env={**pool.env, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
         with get_client(sync_client=True) as client:
-            while (
-                len(
-                    client.read_flow_runs(
-                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle]))
-                    )
-                )
-                < 4
-            ):
+            filter_ = DeploymentFilter(id=DeploymentFilterId(any_=[idle]))
+            while len(client.read_flow_runs(deployment_filter=filter_)) < 4:
+                assert waiting.poll() is None, waiting.communicate()[0].decode()[-3000:]
+                assert time.monotonic() < deadline, "the two node runs were never created"
                 time.sleep(0.5)
         time.sleep(1)
-        _thread.interrupt_main()
-
-    context = contextvars.copy_context()  # the thread talks to this test's server (temporary_settings)
-    threading.Thread(target=context.run, args=(interrupt_once_both_nodes_exist,), daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        train_on_deployment(
-            "remote-train/idle",
-            model,
-            dataset,
-            settings,
-            str(tmp_path / "run2"),
-            run_id=None,
-            retries=0,
-            timeout_s=600,
-        )
+        waiting.send_signal(signal.SIGINT)
+        output = waiting.communicate(timeout=120)[0].decode()
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert waiting.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[idle])))
     assert len(runs) == 4 and all(r.state.type.value == "CANCELLED" for r in runs)
