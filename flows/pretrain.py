@@ -22,43 +22,21 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
 from flows.config import ConfigNote, PretrainConfig
 from flows.data import build_data, keep_tokenizer, tokenizer_for
 from flows.placement import check_placement, train_where_placed
 from flows.remote_train import FLOW_TIMEOUT_S
+from flows.result import PretrainResult, print_summary
 from tasks.build import build_model_task
 from tasks.evaluate import evaluate_task
-from tasks.home import apply_embedded_defaults, describe_locations, runs_dir
+from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.init_from import resolve_for_run_task
-from tasks.refs import (
-    CheckpointRef,
-    DatasetRef,
-    EvalResult,
-    ModelRef,
-    ParentRef,
-    RegisteredModel,
-    TokenizerRef,
-)
 from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
-
-
-class PretrainResult(BaseModel):
-    run_id: str
-    model_uri: str
-    registered: RegisteredModel
-    evaluation: EvalResult
-    checkpoint: CheckpointRef
-    tokenizer: TokenizerRef
-    dataset: DatasetRef
-    metrics: dict[str, float]
-    tracking_uri: str = Field(description="The MLflow store, credentials redacted")
-    model: ModelRef | None = Field(None, description="The initial weights (from the parent with init_from)")
-    parent: ParentRef | None = Field(None, description="The model this run started from (init_from)")
 
 
 def _run_identity(config: PretrainConfig) -> tuple[str, str]:
@@ -188,79 +166,6 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     report.publish_summary(result.model_dump(mode="json"))
     print_summary(result)
     return result
-
-
-def summary_lines(
-    *,
-    bits_per_byte: float,
-    xz_bits_per_byte: float,
-    val_loss: float,
-    initial_bits_per_byte: float | None = None,
-    initial_val_loss: float | None = None,
-) -> list[str]:
-    """The headline: bits per byte against xz on the same text, then the loss per token."""
-    relative = 1 - bits_per_byte / xz_bits_per_byte
-    versus = f"{relative:.0%} below xz" if relative >= 0 else f"{-relative:.0%} above xz"
-    first = f"validation: {bits_per_byte:.3f} bits per byte (xz -9e: {xz_bits_per_byte:.3f}), {versus}"
-    if initial_bits_per_byte is not None:
-        first += f"; {initial_bits_per_byte:.3f} before training"
-    loss = f"{val_loss:.3f} nats/token"
-    if initial_val_loss is not None:
-        loss = f"{initial_val_loss:.3f} before training → {loss}"
-    return [first, f"validation loss: {loss}"]
-
-
-def lineage_lines(result: PretrainResult) -> list[str]:
-    """Where the run started, and whether it improved on its parent and on the champion (both scored on
-    this run's validation text)."""
-    parent, reg, ours = result.parent, result.registered, result.evaluation.bits_per_byte
-    if parent is None:
-        return []
-    lines = [f"started from: {parent.pinned} (init_from={parent.source!r}), lineage depth {parent.depth + 1}"]
-    before = result.evaluation.initial_bits_per_byte
-    if before is not None:
-        verdict = "improved on" if ours < before else "did NOT improve on"
-        lines.append(f"vs parent:   {verdict} its parent: {before:.3f} → {ours:.3f} bits per byte")
-    if reg.champion_bits_per_byte is not None:
-        verdict = "better than" if ours < reg.champion_bits_per_byte else "NOT better than"
-        lines.append(
-            f"vs champion: {verdict} the champion (version {reg.champion_version}): "
-            f"{reg.champion_bits_per_byte:.3f} vs {ours:.3f} bits per byte"
-        )
-    return lines
-
-
-def print_summary(result: PretrainResult) -> None:
-    ev = result.evaluation
-    lines = ["", "=" * 72]
-    lines += summary_lines(
-        bits_per_byte=ev.bits_per_byte,
-        xz_bits_per_byte=ev.xz_bits_per_byte,
-        val_loss=ev.val_loss,
-        initial_bits_per_byte=ev.initial_bits_per_byte,
-        initial_val_loss=ev.initial_val_loss,
-    )
-    lines.append(
-        f"perplexity: {ev.perplexity:.1f}   steps: {result.checkpoint.step}   "
-        f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}   "
-        f"scored: {ev.scored_bytes:,} bytes of validation text"
-    )
-    if result.checkpoint.run_length:
-        lines.append(f"run length: {result.checkpoint.run_length}")
-    reg = result.registered
-    verdict = "now holds" if reg.promoted else "stays with the previous version; not moved to"
-    versus = (
-        f", champion had {reg.champion_bits_per_byte:.3f} bits per byte" if reg.champion_bits_per_byte else ""
-    )
-    lines.append(f"registered: {result.model_uri}  ({verdict} @{reg.alias}{versus})")
-    lines += lineage_lines(result)
-    for prompt, completion in ev.samples[:2]:
-        lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
-    lines.append(f"look next: {store.run_link(result.run_id)}")
-    lines.append(f"stored:    {describe_locations()}")
-    lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{reg.name}@{reg.alias}')")
-    lines.append("=" * 72)
-    print("\n".join(lines))
 
 
 # ---------------------------------------------------------------- command line

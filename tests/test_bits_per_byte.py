@@ -162,7 +162,7 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused_before_any_work(tmp_path:
 
 
 def test_the_run_summary_leads_with_bits_per_byte_against_xz() -> None:
-    from flows.pretrain import summary_lines
+    from flows.result import summary_lines
 
     lines = summary_lines(
         bits_per_byte=1.2,

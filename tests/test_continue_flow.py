@@ -27,7 +27,8 @@ from tokenizers import Tokenizer
 import flows.pretrain as pretrain_module
 from flows.config import PretrainConfig
 from flows.data import build_data
-from flows.pretrain import lineage_lines, pretrain
+from flows.pretrain import pretrain
+from flows.result import lineage_lines
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
 from tasks import home
 from tasks.data import tokens

@@ -24,7 +24,8 @@ from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
 from flows.config import PretrainConfig
-from flows.pretrain import PretrainResult, pretrain, print_summary
+from flows.pretrain import pretrain
+from flows.result import PretrainResult, print_summary
 from model import LlamaConfig, LlamaForPretraining, load_pretrained, load_weights
 from tasks import home
 from tasks.evaluate import evaluate
