@@ -1,7 +1,7 @@
 """Run a sweep spec as a user does (`python -m flows.sweep SPEC`) and record what it cost and found.
 
     .venv/bin/python benchmarks/sweep_run.py benchmarks/sweeps/round10_muon_weight_decay.yaml --tag sweep_round10
-    .venv/bin/python benchmarks/sweep_run.py benchmarks/sweeps/kill9_demo.yaml --kill-after 2 --tag sweep_kill9
+    .venv/bin/python benchmarks/sweep_run.py benchmarks/sweeps/kill9.yaml --kill-after 2 --tag sweep_kill9
 
 With `--kill-after N` the first sweep process is killed with SIGKILL once N trials are finished (and the
 next one has a checkpoint), then the same command runs again: the record shows that the study ends with
