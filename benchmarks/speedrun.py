@@ -7,7 +7,7 @@ Both sides train the same architecture size (the preset's model) on the main job
 tokenized and packed by the data stages), in the same block order, in one process, one after the other:
   baseline   transformers' LlamaForCausalLM (attn_implementation="sdpa") of the preset's size as Hugging Face
              can hold it (no QK-norm; normal(0, 0.02) initialisation of every matrix, through `export_hf`),
-             the loss inside the compiled module, bf16 autocast, 8 x 256-token sequences x 4 accumulated
+             the loss inside the compiled module, the run's precision (bf16 autocast where the hardware has it, as `dtype: auto` decides for both sides), 8 x 256-token sequences x 4 accumulated
              (the AdamW demo preset's batch), fused AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on
              matmul weights, linear warmup over 10% of the steps, cosine to 10%), gradient clipping at 1.0,
              a plain loop;
@@ -53,6 +53,7 @@ from tasks.dataset import build_dataset  # noqa: E402
 from tasks.tokenize import train_tokenizer  # noqa: E402
 from tasks.training import TrainSettings, fit, read_metrics  # noqa: E402
 from tasks.training.loader import IGNORE_INDEX, BlockLoader  # noqa: E402
+from tasks.training.precision import autocast, resolve_dtype  # noqa: E402
 from tasks.training.schedule import lr_at  # noqa: E402
 
 
@@ -85,7 +86,7 @@ class BitsPerByte:
         for start in range(0, len(self.blocks), 16):
             batch = self.blocks[start : start + 16]
             targets = batch[:, 1:].masked_fill(batch[:, 1:] == self.pad_id, IGNORE_INDEX)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
+            with autocast(CPU, self.dtype):
                 logits = logits_fn(batch[:, :-1])
             total += float(
                 F.cross_entropy(
@@ -117,6 +118,7 @@ def wall_curve(step_times: list[float]) -> list[float]:
 
 
 BASELINE_MICRO_BATCH, BASELINE_ACCUMULATE = 8, 4
+CPU = torch.device("cpu")
 
 
 def run_baseline(
@@ -155,6 +157,7 @@ def run_baseline(
         seed=config.seed,
     )
     warmup = max(1, round(0.1 * steps))
+    precision = resolve_dtype(CPU, config.dtype)  # the same rule as llamaflow's side: `auto` is fp32 on AVX2
     params = list(hf.parameters())
     times, points = [], [(0, bpb(lambda x: hf(input_ids=x).logits))]
     for step in range(steps):
@@ -164,7 +167,7 @@ def run_baseline(
             group["lr"] = lr_at(step, lr=lr, total_steps=steps, warmup_steps=warmup, min_lr_ratio=0.1)
         n_tokens = int(sum((t != IGNORE_INDEX).sum() for _, t in batch.micro_batches))
         for inputs, targets in batch.micro_batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast(CPU, precision):
                 loss = step_fn(inputs, targets)
             (loss / n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -356,7 +359,11 @@ def main() -> None:
     baseline_ref = build_model(plain_llama, seed=config.seed)
     blocks, val = open_blocks(dataset.path, "train"), open_blocks(dataset.path, "val")
     bpb = BitsPerByte(
-        val, token_byte_lengths(tokenizer.path), tokenizer.pad_id, args.eval_blocks, config.dtype
+        val,
+        token_byte_lengths(tokenizer.path),
+        tokenizer.pad_id,
+        args.eval_blocks,
+        resolve_dtype(CPU, config.dtype),
     )
     recipe_steps = args.recipe_steps or args.steps * BASELINE_MICRO_BATCH * BASELINE_ACCUMULATE // (
         config.micro_batch_size * config.accumulate_steps
