@@ -54,6 +54,18 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+# psutil's start time of a process is its boot-relative start plus /proc/stat's `btime`, which psutil re-reads
+# on every call and which follows clock adjustments (NTP; on VMs a second now and then: psutil #2526), so two
+# readings of one process can differ by a second or more. "The same process" allows this much; its command
+# line (or pid file) must match as well, which is what tells a reused pid apart.
+SAME_START_S = 5.0
+
+
+def same_start(a: float, b: float) -> bool:
+    """Whether two readings of a process's start time (seconds since the epoch) are one process's."""
+    return abs(a - b) <= SAME_START_S
+
+
 def alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -84,7 +96,7 @@ class ProcessIdentity:
         now = ProcessIdentity.of(self.pid)
         return (
             now is not None
-            and abs(now.started - self.started) < 0.5
+            and same_start(now.started, self.started)
             and now.cmdline == self.cmdline
             and alive(self.pid)
         )

@@ -28,6 +28,7 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
+from flows.processes import same_start
 from flows.sweep_spec import SweepSpec, is_integer
 from tasks import home
 
@@ -163,7 +164,7 @@ def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
 
 def _alive(pid: int, started: float) -> bool:
     try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0  # not a new process with the old pid
+        return same_start(psutil.Process(pid).create_time(), started)  # not a new process with the old pid
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
 

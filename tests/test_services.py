@@ -452,6 +452,36 @@ def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path
         stranger.wait()
 
 
+def test_a_running_server_stays_recognised_when_the_clock_is_adjusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psutil gives a process's start as its boot-relative start plus /proc/stat's btime, re-read on every
+    call, and an NTP adjustment moves btime (on VMs by a second now and then): a server saved before must
+    still be recognised after, or `status` calls it stopped and `down` leaves it running."""
+    from psutil import _pslinux
+
+    from flows.services.state import ServerRecord, save
+
+    server = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        services, _ = stores.configure(tmp_path / "s")
+        seen = psutil.Process(server.pid)
+        services.servers = {
+            name: ServerRecord(server.pid, seen.create_time(), seen.cmdline(), []) for name in servers.SERVERS
+        }
+        save(services)
+        booted = _pslinux.boot_time
+        monkeypatch.setattr(_pslinux, "boot_time", lambda: booted() + 1.0)
+        state = stores.running(stores.load(tmp_path / "s"))
+        assert state["prefect"] and state["mlflow"], state
+        stores.down(tmp_path / "s")
+        assert server.wait(timeout=30) is not None  # down stopped the server it recognised
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
 def test_stop_tree_never_signals_a_process_group_it_did_not_create() -> None:
     # A leader with a child in its group: stopping the child must not take the leader's group down.
     leader = subprocess.Popen(

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from flows.processes import ProcessIdentity
+from flows.processes import ProcessIdentity, same_start
 from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
 from tasks.credentials import redact, remember_secret
 
@@ -151,7 +151,7 @@ def postmaster(services: Services) -> ProcessIdentity | None:
     except (OSError, ValueError, IndexError):
         return None
     who = ProcessIdentity.of(pid)
-    if who is None or abs(who.started - started) > 5 or str(data) not in who.cmdline:
+    if who is None or not same_start(who.started, started) or str(data) not in who.cmdline:
         return None
     return who if who.is_running() else None
 
