@@ -32,7 +32,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
-from model import LlamaConfig, LlamaForPretraining, get_preset, save_weights  # noqa: E402
+from model import LlamaConfig, get_preset, save_weights  # noqa: E402
+from tasks.build import build_model  # noqa: E402
 from tasks.training import checkpoint as ckpt  # noqa: E402
 from tasks.training.distributed import context_from_env  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
@@ -115,11 +116,8 @@ def main() -> None:
     config = get_preset(args.preset)
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        weights, out = Path(tmp) / "model", Path(tmp) / "out"
+        weights, out = Path(build_model(config, seed=0).path), Path(tmp) / "out"
         out.mkdir()
-        torch.manual_seed(0)
-        save_weights(LlamaForPretraining(config), weights / "model.safetensors")
-        (weights / "config.json").write_text(json.dumps(config.to_dict()))
         run_ranks(
             Path(__file__), args.nproc, ["--rounds", str(args.rounds), "--rank-side", str(weights), str(out)]
         )

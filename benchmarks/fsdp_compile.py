@@ -27,7 +27,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
-from model import LlamaConfig, LlamaForPretraining, get_preset, save_weights  # noqa: E402
+from model import LlamaConfig, get_preset  # noqa: E402
+from tasks.build import build_model  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
 from tasks.training.precision import autocast  # noqa: E402
@@ -105,11 +106,8 @@ def main() -> None:
         if k not in ("rank_side", "tag", "nproc")
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        weights, out = Path(tmp) / "model", Path(tmp) / "out"
+        weights, out = Path(build_model(config, seed=0).path), Path(tmp) / "out"
         out.mkdir()
-        torch.manual_seed(0)
-        save_weights(LlamaForPretraining(config), weights / "model.safetensors")
-        (weights / "config.json").write_text(json.dumps(config.to_dict()))
         run_ranks(Path(__file__), args.nproc, [*forwarded, "--rank-side", str(weights), str(out)])
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
     tokens = args.batch * args.seq_len * args.micro_batches * args.nproc

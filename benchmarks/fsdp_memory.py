@@ -25,7 +25,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
-from model import LlamaConfig, LlamaForPretraining, count_params, get_preset, save_weights  # noqa: E402
+from model import LlamaConfig, count_params, get_preset  # noqa: E402
+from tasks.build import build_model  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
 from tasks.training.settings import TrainSettings  # noqa: E402
@@ -87,11 +88,8 @@ def main() -> None:
     config = get_preset(args.preset)
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        weights, out = Path(tmp) / "model", Path(tmp) / "counts"
+        weights, out = Path(build_model(config, seed=0).path), Path(tmp) / "counts"
         out.mkdir()
-        torch.manual_seed(0)
-        save_weights(LlamaForPretraining(config), weights / "model.safetensors")
-        (weights / "config.json").write_text(json.dumps(config.to_dict()))
         for mode in ("ddp", "fsdp"):
             run_ranks(
                 Path(__file__), args.nproc, ["--rank-side", mode, args.optimizer, str(weights), str(out)]

@@ -36,10 +36,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model import LlamaForPretraining, export_hf, flops_per_token, get_preset, save_weights  # noqa: E402
+from model import LlamaForPretraining, export_hf, flops_per_token, get_preset  # noqa: E402
 from model.attention import document_causal_mask, document_ids_from_eos, make_plan  # noqa: E402
+from tasks.build import build_model  # noqa: E402
 from tasks.data.packed import FORMAT_VERSION, token_dtype, write_meta, write_split  # noqa: E402
-from tasks.refs import DatasetRef, ModelRef  # noqa: E402
+from tasks.refs import DatasetRef  # noqa: E402
 from tasks.training.launch import SPEC_FILE, WorkerSpec, write_worker_spec  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
 from tasks.training.metrics import device_peak_flops, read_metrics  # noqa: E402
@@ -197,11 +198,7 @@ def check_engine(
 ) -> dict[str, object]:
     """The engine under torchrun with one process, DDP and FSDP2, on the same data and initial weights."""
     config = get_preset(preset)
-    torch.manual_seed(0)
-    model_dir = work / "model"
-    save_weights(LlamaForPretraining(config), model_dir / "model.safetensors")
-    (model_dir / "config.json").write_text(json.dumps(config.to_dict()))
-    model = ModelRef(path=str(model_dir), fingerprint="gpu-check", n_params=0)
+    model = build_model(config, seed=0)
     dataset = synthetic_dataset(work / "data", config.vocab_size, seq, n_blocks=micro_batch * steps)
     result: dict[str, object] = {}
     curves = {}

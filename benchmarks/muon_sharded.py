@@ -28,7 +28,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
-from model import LlamaConfig, LlamaForPretraining, get_preset, load_pretrained, save_weights  # noqa: E402
+from model import LlamaConfig, get_preset, load_pretrained  # noqa: E402
+from tasks.build import build_model  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
 from tasks.training.optim import build_optimizer, parameter_roles  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
@@ -102,11 +103,8 @@ def main() -> None:
     config = get_preset(args.preset)
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        weights, out = Path(tmp) / "model", Path(tmp) / "out"
+        weights, out = Path(build_model(config, seed=0).path), Path(tmp) / "out"
         out.mkdir()
-        torch.manual_seed(0)
-        save_weights(LlamaForPretraining(config), weights / "model.safetensors")
-        (weights / "config.json").write_text(json.dumps(config.to_dict()))
         run_ranks(
             Path(__file__), args.nproc, ["--steps", str(args.steps), "--rank-side", str(weights), str(out)]
         )

@@ -400,10 +400,11 @@ def main() -> None:
     load_between = load_average()
     with tempfile.TemporaryDirectory() as work:
         ours = run_llamaflow(config, model_ref, dataset, recipe_steps, points(recipe_steps), bpb, Path(work))
+    model_note = f", `{config.model}` model" if config.model != config.preset else ""
     sides = {}
     for name, side, label in (
         ("baseline", baseline, "transformers LlamaForCausalLM + compile, AdamW"),
-        ("llamaflow", ours, f"llamaflow `{args.preset}` recipe"),
+        ("llamaflow", ours, f"llamaflow `{config.preset}` recipe" + model_note),
     ):
         wall = wall_curve(side["step_times"])
         curve = [(0.0 if step == 0 else float(wall[step - 1]), b) for step, b in side["points"]]
@@ -420,7 +421,8 @@ def main() -> None:
     reach = time_to_reach(sides["llamaflow"]["curve"], target)
     result = {
         "command": " ".join(sys.argv),
-        "preset": args.preset,
+        "preset": config.preset,
+        "model": config.model,
         "recipe": config.train_settings().model_dump(),
         "baseline_lr": args.baseline_lr,
         "tuned": tuned or None,
