@@ -198,6 +198,8 @@ def check_engine(
 ) -> dict[str, object]:
     """The engine under torchrun with one process, DDP and FSDP2, on the same data and initial weights."""
     config = get_preset(preset)
+    # One home for this check's model cache and its workers (a worker finds the model's files in its home).
+    os.environ["LLAMAFLOW_HOME"] = str(work / "home")
     model = build_model(config, seed=0)
     dataset = synthetic_dataset(work / "data", config.vocab_size, seq, n_blocks=micro_batch * steps)
     result: dict[str, object] = {}
@@ -224,7 +226,7 @@ def check_engine(
             "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1",
             "-m", "tasks.training.worker", str(run_dir / SPEC_FILE),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "LLAMAFLOW_HOME": str(work / "home")}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         started = time.perf_counter()
         subprocess.run(command, env=env, check=True, cwd=ROOT)
         logged = read_metrics(run_dir)
