@@ -66,6 +66,19 @@ def publish_snapshot(root: Path) -> Path:
     return origin
 
 
+def shared_checkout_prefect_file(root: Path) -> Path:
+    """prefect.yaml's deployments, run from this checkout (the development set-up): no build steps, no clone,
+    `set_working_directory` here. Written under `root`; pass it to `prefect deploy --prefect-file`."""
+    import yaml
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    spec["build"] = None
+    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    path = root / "prefect-shared-checkout.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
 def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """Stop `proc` and every process it started (flows.processes.stop_tree), then reap it."""
     if proc.poll() is None:

@@ -17,12 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from model import LlamaForPretraining, get_preset, save_weights
-from prefect_server import prefect, prefect_server, prefect_worker, tail, wait_for_flow_run
+from prefect_server import (
+    prefect,
+    prefect_server,
+    prefect_worker,
+    shared_checkout_prefect_file,
+    tail,
+    wait_for_flow_run,
+)
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
@@ -56,17 +62,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path,
     corpus.mkdir()
     for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py"):
         shutil.copyfile(Path(os.__file__).parent / name, corpus / name)
-    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    spec["build"] = None
-    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
-    (root / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     base_env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PREFECT_WORKER_QUERY_SECONDS": "2"}
     with prefect_server(root / "prefect", base_env) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        deployments = shared_checkout_prefect_file(root)
         prefect(
-            ["--no-prompt", "deploy", "--name", "continue", "--prefect-file", str(root / "prefect.yaml")],
-            env,
-            REPO,
+            ["--no-prompt", "deploy", "--name", "continue", "--prefect-file", str(deployments)], env, REPO
         )
         with (
             prefect_worker(POOL, env, root, root / "worker.log"),

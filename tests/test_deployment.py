@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -50,6 +49,7 @@ from prefect_server import (
     prefect_server,
     prefect_worker,
     publish_snapshot,
+    shared_checkout_prefect_file,
     tail,
     wait_for_flow_run,
 )
@@ -98,7 +98,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
         shipped = _deploy_as_shipped(root, env, api_url)
         prefect(
-            ["--no-prompt", "deploy", "--all", "--prefect-file", str(_shared_checkout_file(root))], env, REPO
+            ["--no-prompt", "deploy", "--all", "--prefect-file", str(shared_checkout_prefect_file(root))],
+            env,
+            REPO,
         )
         worker_log = root / "worker.log"
         with (
@@ -118,16 +120,6 @@ def _deploy_as_shipped(root: Path, env: dict[str, str], api_url: str) -> Shipped
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         deployments = {name: client.read_deployment_by_name(name) for name in names}
     return Shipped(deployments, origin, git(["rev-parse", "HEAD"], deployer), deployer)
-
-
-def _shared_checkout_file(root: Path) -> Path:
-    """prefect.yaml's deployments, run from this checkout: no build steps, `set_working_directory` here."""
-    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    spec["build"] = None
-    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
-    path = root / "prefect-shared-checkout.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
 
 
 def _start(

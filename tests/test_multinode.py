@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -41,7 +40,14 @@ from flows.config import PretrainConfig
 from flows.placement import PlacementError, check_placement, train_on_deployment
 from flows.processes import free_port
 from model import get_preset
-from prefect_server import TINY_RUN, prefect, prefect_server, prefect_worker, tail
+from prefect_server import (
+    TINY_RUN,
+    prefect,
+    prefect_server,
+    prefect_worker,
+    shared_checkout_prefect_file,
+    tail,
+)
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit
@@ -114,11 +120,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     # A loaded machine (shared CI hosts) can take over a minute to start a server on a new database.
     with prefect_server(root / "prefect", base_env, health_timeout_s=240) as (api_url, env):
         prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
-        prefect(
-            ["--no-prompt", "deploy", "--name", "gpu", "--prefect-file", str(_shared_checkout(root))],
-            env,
-            REPO,
-        )
+        deployments = shared_checkout_prefect_file(root)
+        prefect(["--no-prompt", "deploy", "--name", "gpu", "--prefect-file", str(deployments)], env, REPO)
         # Every node run loses its node at step 3 the first time (a marker in the run directory).
         worker_env = {**env, ENV_VAR: "kill_node_at_step=3"}
         logs = []
@@ -138,16 +141,6 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
                 )
             with workers[0], workers[1]:
                 yield Pool(env, logs, tracking_uri)
-
-
-def _shared_checkout(root: Path) -> Path:
-    """prefect.yaml's deployments, run from this checkout (no clone, no install)."""
-    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    spec["build"] = None
-    spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
-    path = root / "prefect-shared-checkout.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
 
 
 def _children(flow_run_id: uuid.UUID) -> list:
