@@ -44,6 +44,13 @@ def session_dir() -> Path:
     return _SESSION_DIR
 
 
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A LLAMAFLOW_HOME of the test's own (empty caches)."""
+    monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 @pytest.fixture(autouse=True)
 def _no_mlflow_default_store_in_the_working_directory():
     """MLflow's own default store is `sqlite:///<cwd>/mlflow.db`: a call that reaches MLflow without our

@@ -38,12 +38,6 @@ MODULES = [
 SEQ_LEN = 32
 
 
-@pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def _corpus(root: Path, names: list[str] = MODULES) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name in names:

@@ -32,12 +32,6 @@ VOCAB = 400
 
 
 @pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-@pytest.fixture()
 def corpus_dir(tmp_path: Path) -> Path:
     """Real Python source; train files repeat ' blorpwidget', validation files ' zqxvmoop'."""
     root = tmp_path / "corpus"
