@@ -251,6 +251,8 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
     waiting = subprocess.Popen(
         [
             sys.executable,
+            "-X",
+            "faulthandler",  # SIGABRT then prints every thread's stack: where a hang is
             "-c",
             "import sys; from flows.placement import train_on_deployment; "
             "from tasks.refs import DatasetRef, ModelRef; from tasks.training import TrainSettings; "
@@ -276,7 +278,14 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
                 time.sleep(0.5)
         time.sleep(1)
         waiting.send_signal(signal.SIGINT)
-        output = waiting.communicate(timeout=120)[0].decode()
+        try:
+            output = waiting.communicate(timeout=120)[0].decode()
+        except subprocess.TimeoutExpired:
+            waiting.send_signal(signal.SIGABRT)
+            stacks = waiting.communicate(timeout=60)[0].decode()
+            pytest.fail(
+                f"the waiting run did not end within 120 s of SIGINT; its output and threads:\n{stacks[-8000:]}"
+            )
     finally:
         if waiting.poll() is None:
             waiting.kill()
