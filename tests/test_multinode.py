@@ -267,6 +267,9 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
         env={**pool.env, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # An earlier module can leave SIGINT ignored in this process; an ignored SIGINT is inherited across
+        # exec, and Python then installs no KeyboardInterrupt handler: the child would never see the signal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
