@@ -35,7 +35,7 @@ from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks
 from model import LlamaConfig, get_preset, save_weights  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.training import checkpoint as ckpt  # noqa: E402
-from tasks.training.distributed import context_from_env  # noqa: E402
+from tasks.training.distributed import context_from_env, leave_process_group  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.optimizer_state import save_optimizer_state  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
@@ -99,7 +99,7 @@ def rank_side(weights: Path, rounds: int, out: Path) -> None:
         future = timed("optimizer_shards_async_return", dcp.async_save, flat, storage_writer=writer)
         timed("optimizer_shards_async_finish", future.result)
     (out / f"rank{context.rank}.json").write_text(json.dumps(times))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:

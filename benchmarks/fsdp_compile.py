@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, get_preset  # noqa: E402
 from tasks.build import build_model  # noqa: E402
+from tasks.training.distributed import leave_process_group  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
 from tasks.training.precision import autocast  # noqa: E402
@@ -78,7 +79,7 @@ def rank_side(weights: Path, args: argparse.Namespace, out: Path) -> None:
         for name in VARIANTS:
             report[name]["timed"] += [step(name) for _ in range(args.steps)]
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, count_params, get_preset  # noqa: E402
 from tasks.build import build_model  # noqa: E402
+from tasks.training.distributed import leave_process_group  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
 from tasks.training.settings import TrainSettings  # noqa: E402
@@ -67,7 +68,7 @@ def rank_side(mode: str, optimizer_name: str, weights: Path, out: Path) -> None:
     }
     counted["total"] = sum(counted.values())
     (out / f"{mode}_rank{rank}.json").write_text(json.dumps(counted))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: E402
 from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, get_preset, load_pretrained  # noqa: E402
 from tasks.build import build_model  # noqa: E402
+from tasks.training.distributed import leave_process_group  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
 from tasks.training.optim import build_optimizer, parameter_roles  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
@@ -86,7 +87,7 @@ def rank_side(weights: Path, steps: int, out: Path) -> None:
 
     report["own_newton_schulz_s"] = timed(own_share, steps)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from model import LlamaConfig, get_preset, load_pretrained
 from tasks.training import TrainSettings, fit, read_metrics
 from tasks.training import optim as optim_module
+from tasks.training.distributed import leave_process_group
 from tasks.training.loss import LossHead, count_targets
 from tasks.training.muon import ShardedMuon
 from tasks.training.optim import build_optimizer, parameter_roles
@@ -94,7 +95,7 @@ def one_step_on_ranks(model_dir: Path, out: Path) -> None:
             for name, state in stepped.items()
         }
         out.write_text(json.dumps(report, indent=2))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_sharded_muon_step_equals_one_process_and_a_per_shard_muon_does_not(tmp_path: Path) -> None:

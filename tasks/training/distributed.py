@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,22 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def leave_process_group() -> None:
+    """End a rank's part in a job that succeeded, so that the interpreter can exit without aborting.
+
+    A gloo worker thread frees each collective's work, and the tensors it holds, after the caller has
+    stopped waiting for it: the barrier's work frees every earlier one. Freeing a tensor made in Python
+    takes the GIL, and a thread that asks for the GIL of an interpreter that is shutting down aborts the
+    process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489), so torchrun
+    would fail a job whose every step was done. The barrier makes every collective complete; the sleep
+    gives the GIL to the worker threads that free them. Not for the failure path: a barrier with a dead
+    peer waits out the process-group timeout.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.1)
 
 
 def context_from_env() -> DistContext:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from model.atomic import write_text_atomic
 from tasks.home import apply_embedded_defaults
-from tasks.training.distributed import context_from_env
+from tasks.training.distributed import context_from_env, leave_process_group
 from tasks.training.engine import run_process
 from tasks.training.launch import RESULT_FILE, WorkerSpec
 
@@ -43,9 +43,12 @@ def main(spec_path: str) -> None:
         )
         if context.is_main:
             write_text_atomic(Path(spec.run_dir) / RESULT_FILE, ref.model_dump_json())
-    finally:
+    except BaseException:
         if launched:
             dist.destroy_process_group()
+        raise
+    if launched:
+        leave_process_group()
 
 
 if __name__ == "__main__":
