@@ -3,13 +3,14 @@ again, and stop them with everything they started.
 
 Servers and Prefect's process worker start children in new sessions (every flow run gets its own), so
 killing one process group leaves processes behind: `stop_tree` collects every descendant first. A saved pid
-alone proves nothing (the system reuses pids): `ProcessIdentity` adds the start time and command line, and
-nothing is trusted or signalled unless all three still match.
+alone proves nothing (the system reuses pids): `ProcessIdentity` adds the start (`start_mark`) and command
+line, and nothing is trusted or signalled unless all three still match.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -54,16 +55,28 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-# psutil's start time of a process is its boot-relative start plus /proc/stat's `btime`, which psutil re-reads
-# on every call and which follows clock adjustments (NTP; on VMs a second now and then: psutil #2526), so two
-# readings of one process can differ by a second or more. "The same process" allows this much; its command
-# line (or pid file) must match as well, which is what tells a reused pid apart.
-SAME_START_S = 5.0
+def start_mark(pid: int) -> str:
+    """When process `pid` started, in a form no clock adjustment changes, to tell it from a later process
+    that got its pid. On Linux: the boot's id and the clock ticks from that boot to the process's start.
+    Not psutil's start time there: it adds /proc/stat's `btime`, re-read on every call, which follows every
+    step of the wall clock (NTP, a VM's clock set after a pause: psutil #2526), so one process's two
+    readings can differ by seconds or hours. Elsewhere the kernel keeps the start as a time of day, which
+    psutil returns as it was recorded. Raises psutil.NoSuchProcess when there is no such process."""
+    boot = _boot_id()
+    if boot is None:
+        return f"{psutil.Process(pid).create_time():.6f}"
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError) as err:
+        raise psutil.NoSuchProcess(pid) from err
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces and ")"
+    return f"{boot}+{fields[19]}"  # field 22 of proc(5), `starttime`
 
 
-def same_start(a: float, b: float) -> bool:
-    """Whether two readings of a process's start time (seconds since the epoch) are one process's."""
-    return abs(a - b) <= SAME_START_S
+@functools.cache
+def _boot_id() -> str | None:
+    path = Path("/proc/sys/kernel/random/boot_id")
+    return path.read_text().strip() if path.is_file() else None
 
 
 def alive(pid: int | None) -> bool:
@@ -77,26 +90,26 @@ def alive(pid: int | None) -> bool:
 
 @dataclass(frozen=True)
 class ProcessIdentity:
-    """A process as it was seen: pid, start time (seconds since the epoch) and command line."""
+    """A process as it was seen: pid, start (`start_mark`) and command line."""
 
     pid: int
-    started: float
+    started: str
     cmdline: tuple[str, ...]
 
     @classmethod
     def of(cls, pid: int) -> ProcessIdentity | None:
         try:
             proc = psutil.Process(pid)
-            return cls(pid, proc.create_time(), tuple(proc.cmdline()))
+            return cls(pid, start_mark(pid), tuple(proc.cmdline()))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
 
     def is_running(self) -> bool:
-        """The same process is still alive: same pid, start time and command line (not a reused pid)."""
+        """The same process is still alive: same pid, start and command line (not a reused pid)."""
         now = ProcessIdentity.of(self.pid)
         return (
             now is not None
-            and same_start(now.started, self.started)
+            and now.started == self.started
             and now.cmdline == self.cmdline
             and alive(self.pid)
         )

@@ -28,7 +28,7 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from flows.processes import same_start
+from flows.processes import start_mark
 from flows.sweep_spec import SweepSpec, is_integer
 from tasks import home
 
@@ -144,8 +144,7 @@ def home_free(url: str) -> str:
 
 
 def this_owner() -> dict[str, Any]:
-    me = psutil.Process()
-    return {"host": socket.gethostname(), "pid": me.pid, "started": round(me.create_time(), 2)}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_mark(os.getpid())}
 
 
 def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
@@ -157,14 +156,14 @@ def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
         started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
         return (now or time.time()) - started > STALE_AFTER_S
     if owner.get("host") == socket.gethostname():
-        return not _alive(int(owner.get("pid", -1)), float(owner.get("started", 0.0)))
+        return not _alive(int(owner.get("pid", -1)), str(owner.get("started", "")))
     beat = float(trial.user_attrs.get(HEARTBEAT, 0.0))
     return (now or time.time()) - beat > STALE_AFTER_S
 
 
-def _alive(pid: int, started: float) -> bool:
+def _alive(pid: int, started: str) -> bool:
     try:
-        return same_start(psutil.Process(pid).create_time(), started)  # not a new process with the old pid
+        return start_mark(pid) == started  # not a new process with the old pid
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
 

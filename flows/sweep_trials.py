@@ -31,6 +31,7 @@ import yaml
 from optuna.trial import TrialState
 
 from flows.config import PretrainConfig
+from flows.processes import start_mark
 from flows.sweep_spec import METRICS, SweepSpec, tokens_per_step
 from flows.sweep_study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
@@ -190,10 +191,9 @@ class LocalTrial:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         if self.trial is not None:
-            child = psutil.Process(self.process.pid)
+            pid = self.process.pid
             self.trial.set_user_attr(
-                CHILD,
-                {"host": socket.gethostname(), "pid": child.pid, "started": round(child.create_time(), 2)},
+                CHILD, {"host": socket.gethostname(), "pid": pid, "started": start_mark(pid)}
             )
 
     def poll(self) -> tuple[bool, str] | None:
@@ -217,7 +217,7 @@ def _stop_left_over(child: Any, grace_s: float = 120.0) -> None:
         return
     try:
         process = psutil.Process(int(child["pid"]))
-        if abs(process.create_time() - float(child["started"])) >= 1.0:
+        if start_mark(process.pid) != str(child["started"]):
             return  # another process now has that pid
         process.send_signal(signal.SIGTERM)  # it writes a checkpoint, then ends
         process.wait(grace_s)

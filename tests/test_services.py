@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from flows import services as stores
-from flows.processes import free_port, port_is_free, stop_tree
+from flows.processes import ProcessIdentity, free_port, port_is_free, start_mark, stop_tree
 from flows.services import postgres, servers
 from prefect_server import TINY_RUN
 
@@ -432,10 +432,10 @@ def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         services, _ = stores.configure(tmp_path / "s")
-        mine = psutil.Process(stranger.pid)
-        # What the saved record of a server says: the stranger got its pid after it exited.
+        # What the saved record of a server says: the stranger got its pid after it exited (the server
+        # started when this test did).
         services.servers = {
-            name: ServerRecord(stranger.pid, mine.create_time() - 100, ["prefect", "server", "start"], [])
+            name: ServerRecord(stranger.pid, start_mark(os.getpid()), ["prefect", "server", "start"], [])
             for name in servers.SERVERS
         }
         save(services)
@@ -444,7 +444,8 @@ def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path
             "prefect": False,
             "mlflow": False,
         }
-        stores.down(tmp_path / "s")
+        with pytest.warns(RuntimeWarning, match=f"not stopping pid {stranger.pid}"):
+            stores.down(tmp_path / "s")
         time.sleep(0.5)
         assert stranger.poll() is None, "down signalled a process it did not start"
     finally:
@@ -456,8 +457,9 @@ def test_a_running_server_stays_recognised_when_the_clock_is_adjusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """psutil gives a process's start as its boot-relative start plus /proc/stat's btime, re-read on every
-    call, and an NTP adjustment moves btime (on VMs by a second now and then): a server saved before must
-    still be recognised after, or `status` calls it stopped and `down` leaves it running."""
+    call, and every step of the wall clock moves btime (NTP; a VM's clock set after a pause, by seconds or
+    hours): a server saved before must still be recognised after, or `status` calls it stopped and `down`
+    leaves it running."""
     from psutil import _pslinux
 
     from flows.services.state import ServerRecord, save
@@ -465,13 +467,14 @@ def test_a_running_server_stays_recognised_when_the_clock_is_adjusted(
     server = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         services, _ = stores.configure(tmp_path / "s")
-        seen = psutil.Process(server.pid)
+        seen = ProcessIdentity.of(server.pid)
+        assert seen is not None
         services.servers = {
-            name: ServerRecord(server.pid, seen.create_time(), seen.cmdline(), []) for name in servers.SERVERS
+            name: ServerRecord(server.pid, seen.started, list(seen.cmdline), []) for name in servers.SERVERS
         }
         save(services)
         booted = _pslinux.boot_time
-        monkeypatch.setattr(_pslinux, "boot_time", lambda: booted() + 1.0)
+        monkeypatch.setattr(_pslinux, "boot_time", lambda: booted() + 3600.0)
         state = stores.running(stores.load(tmp_path / "s"))
         assert state["prefect"] and state["mlflow"], state
         stores.down(tmp_path / "s")

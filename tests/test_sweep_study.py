@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -34,18 +35,23 @@ def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) 
     assert not owner_gone(frozen())  # this process: alive
     # A sweep in another process on this host that has ended (a real process, gone).
     done = subprocess.run(
-        [sys.executable, "-c", "import os, psutil; p = psutil.Process(); print(p.pid, p.create_time())"],
+        [
+            sys.executable,
+            "-c",
+            "import os; from flows.processes import start_mark; print(os.getpid(), start_mark(os.getpid()))",
+        ],
         capture_output=True,
         text=True,
         check=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     pid, started = done.stdout.split()
     first.trial.set_user_attr(
-        OWNER, {"host": frozen().user_attrs[OWNER]["host"], "pid": int(pid), "started": float(started)}
+        OWNER, {"host": frozen().user_attrs[OWNER]["host"], "pid": int(pid), "started": started}
     )
     assert owner_gone(frozen())
     # A sweep on another host: gone once its heartbeat is older than STALE_AFTER_S.
-    first.trial.set_user_attr(OWNER, {"host": "elsewhere", "pid": 1, "started": 0.0})
+    first.trial.set_user_attr(OWNER, {"host": "elsewhere", "pid": 1, "started": ""})
     first.trial.set_user_attr(HEARTBEAT, time.time())
     assert not owner_gone(frozen())
     assert owner_gone(frozen(), now=time.time() + STALE_AFTER_S + 1)

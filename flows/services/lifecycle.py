@@ -9,9 +9,10 @@ what it started itself and leaves alone what was running before it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
-from flows.processes import free_port, port_is_free, stop_tree
+from flows.processes import alive, free_port, port_is_free, stop_tree
 from flows.services import postgres, servers
 from flows.services.state import (
     LOOPBACK,
@@ -119,6 +120,13 @@ def _stop_servers(services: Services) -> None:
         record = services.servers.pop(name, None)
         if record is not None and record.identity.is_running():
             stop_tree(record.pid)
+        elif record is not None and alive(record.pid):
+            warnings.warn(
+                f"not stopping pid {record.pid}: it is not the {name} server {services.root} started (its start "
+                "or command line differs: the pid was reused)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _stop_started(services: Services, started: list[str]) -> None:

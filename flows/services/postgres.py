@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from flows.processes import ProcessIdentity, same_start
+from flows.processes import ProcessIdentity
 from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
 from tasks.credentials import redact, remember_secret
 
@@ -142,16 +142,16 @@ def scram_verifier(password: str, iterations: int = 4096) -> str:
 
 
 def postmaster(services: Services) -> ProcessIdentity | None:
-    """The running postmaster of this cluster, recognised by its lock file's pid, start time and data
-    directory; None when the lock file is missing or stale (its pid now belongs to another process)."""
+    """The running postmaster of this cluster: the process its lock file names, if that process's command
+    line names this data directory; None when the lock file is missing or stale (its pid now belongs to
+    another process). Not the lock file's start time: a time of day, which moves with the clock."""
     data = data_dir(services)
     try:
-        lines = (data / "postmaster.pid").read_text().splitlines()
-        pid, started = int(lines[0]), float(lines[2])
+        pid = int((data / "postmaster.pid").read_text().splitlines()[0])
     except (OSError, ValueError, IndexError):
         return None
     who = ProcessIdentity.of(pid)
-    if who is None or not same_start(who.started, started) or str(data) not in who.cmdline:
+    if who is None or str(data) not in who.cmdline:
         return None
     return who if who.is_running() else None
 

@@ -152,7 +152,7 @@ def start(name: str, launch: Launch, services: Services, timeout_s: float) -> Se
         launch.config_file.write_text(launch.config)
     env = {**_base_env(), **launch.env, **launch.secret_env}
     pid = start_detached(launch.args, env, launch.log)
-    identity = ProcessIdentity.of(pid) or ProcessIdentity(pid, 0.0, tuple(launch.args))
+    identity = ProcessIdentity.of(pid) or ProcessIdentity(pid, "", tuple(launch.args))
     record = ServerRecord(pid, identity.started, list(identity.cmdline), launch.fingerprint)
     services.servers[name] = record
     what = "the Prefect server" if name == "prefect" else "the MLflow server"

@@ -47,10 +47,10 @@ def _url_host(host: str) -> str:
 
 @dataclass
 class ServerRecord:
-    """A server this directory started: who it is (pid, start time, command line) and how it was launched."""
+    """A server this directory started: who it is (pid, start, command line) and how it was launched."""
 
     pid: int
-    started: float
+    started: str
     cmdline: list[str]
     launch: list[str]
 
