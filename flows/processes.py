@@ -88,6 +88,9 @@ def alive(pid: int | None) -> bool:
         return False
 
 
+EXEC_WAIT_S = 1.0
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
     """A process as it was seen: pid, start (`start_mark`) and command line."""
@@ -98,9 +101,18 @@ class ProcessIdentity:
 
     @classmethod
     def of(cls, pid: int) -> ProcessIdentity | None:
+        """Who `pid` is now. A process just started can show an empty command line: Popen returns when
+        the exec has closed the parent's pipe, before the kernel has set up the new program's arguments
+        (a quarter of the reads right after Popen, on a busy 2-core host), and a record of that empty line
+        would never match the server again. It is read again until it appears (kernel threads have none)."""
         try:
             proc = psutil.Process(pid)
-            return cls(pid, start_mark(pid), tuple(proc.cmdline()))
+            cmdline = proc.cmdline()
+            deadline = time.monotonic() + EXEC_WAIT_S
+            while not cmdline and time.monotonic() < deadline:
+                time.sleep(0.001)
+                cmdline = proc.cmdline()
+            return cls(pid, start_mark(pid), tuple(cmdline))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
 

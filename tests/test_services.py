@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from flows import services as stores
-from flows.processes import ProcessIdentity, free_port, port_is_free, start_mark, stop_tree
+from flows.processes import ProcessIdentity, free_port, port_is_free, start_detached, start_mark, stop_tree
 from flows.services import postgres, servers
 from prefect_server import TINY_RUN
 
@@ -451,6 +451,27 @@ def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_server_is_recognised_from_the_moment_it_is_started(tmp_path: Path) -> None:
+    """`up` records who a server is right after starting it; read too early, the command line is empty (the
+    exec has not set it up yet) and the server is never recognised again: `status` calls it stopped and
+    `down` leaves it running. A quarter of the starts were caught so on a 2-core host."""
+    script = tmp_path / "server"
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(300)\n")  # as the `mlflow` command is
+    script.chmod(0o755)
+    seen: list[ProcessIdentity | None] = []
+    try:
+        for i in range(40):
+            pid = start_detached([str(script), "--port", str(i)], os.environ, tmp_path / "server.log")
+            seen.append(ProcessIdentity.of(pid))
+        time.sleep(0.5)  # every start has long finished its exec
+        recognised = [who is not None and who.is_running() for who in seen]
+        assert all(recognised), f"{recognised.count(False)} of {len(seen)} servers not recognised"
+    finally:
+        for who in seen:
+            if who is not None:
+                stop_tree(who.pid, grace_s=1)
 
 
 def test_a_running_server_stays_recognised_when_the_clock_is_adjusted(
