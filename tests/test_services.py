@@ -432,10 +432,10 @@ def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         services, _ = stores.configure(tmp_path / "s")
-        # What the saved record of a server says: the stranger got its pid after it exited (the server
-        # started when this test did).
+        # What the saved record of a server says: the stranger got its pid after it exited. Even its command
+        # line is the stranger's: only the start (the server's was this test's) tells them apart.
         services.servers = {
-            name: ServerRecord(stranger.pid, start_mark(os.getpid()), ["prefect", "server", "start"], [])
+            name: ServerRecord(stranger.pid, start_mark(os.getpid()), ["sleep", "300"], [])
             for name in servers.SERVERS
         }
         save(services)
