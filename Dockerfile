@@ -45,4 +45,4 @@ RUN pip install --no-deps . && mkdir -p "$LLAMAFLOW_HOME"
 
 # Checks the Prefect and MLflow credentials it was given (docker run --env-file worker.env, a Kubernetes
 # Secret), then becomes `prefect worker start`; see docs/production.md section 3.
-CMD ["python", "-m", "flows.worker", "--pool", "gpu-pool"]
+CMD ["python", "-m", "flows.pool.worker", "--pool", "gpu-pool"]

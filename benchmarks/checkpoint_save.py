@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import HuggingFaceStorageWriter  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, get_preset, save_weights  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.training import checkpoint as ckpt  # noqa: E402

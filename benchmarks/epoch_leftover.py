@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
     RESULTS_DIR,
     load_average,
     machine_info,
@@ -52,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     set_threads,
     write_json,
 )
-from flows.config import PretrainConfig  # noqa: E402
+from flows.pretrain_config import PretrainConfig  # noqa: E402
 from model import LlamaForPretraining, get_preset  # noqa: E402
 from tasks.data.packed import open_blocks, read_meta  # noqa: E402
 from tasks.dataset import build_dataset  # noqa: E402

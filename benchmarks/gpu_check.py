@@ -224,7 +224,7 @@ def check_engine(
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1",
             "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1",
-            "-m", "tasks.training.worker", str(run_dir / SPEC_FILE),
+            "-m", "tasks.training.rank", str(run_dir / SPEC_FILE),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         started = time.perf_counter()

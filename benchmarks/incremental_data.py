@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, cpu_model, load_average, markdown_table, write_json  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, cpu_model, load_average, markdown_table, write_json  # noqa: E402
 
 RESULT = RESULTS_DIR / "incremental_data.json"
 
@@ -47,8 +47,8 @@ def data_stage(corpus: str, tokenizer_path: str, kind: str, workers: int, home: 
     os.environ["LLAMAFLOW_HOME"] = str(home)
     from prefect import flow
 
-    from flows.config import PretrainConfig
     from flows.data import build_data
+    from flows.pretrain_config import PretrainConfig
     from tasks.dataset import plan_tokenization
     from tasks.tokenize import import_tokenizer
 
@@ -75,7 +75,7 @@ def data_stage(corpus: str, tokenizer_path: str, kind: str, workers: int, home: 
 @contextlib.contextmanager
 def prefect_server(root: Path) -> Iterator[None]:
     """A local `prefect server` for the run, its URL exported before Prefect is imported here."""
-    from flows.processes import free_port, start_detached, stop_tree, wait_http
+    from flows.services.processes import free_port, start_detached, stop_tree, wait_http
 
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

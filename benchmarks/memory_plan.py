@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, markdown_table, write_json  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, markdown_table, write_json  # noqa: E402
 from model import LlamaConfig, count_params, get_preset  # noqa: E402
 
 PRESETS = ("125m", "350m", "1b", "7b")

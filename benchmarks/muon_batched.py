@@ -27,8 +27,8 @@ import torch  # noqa: E402
 # torch.optim.Muon's own constants and learning-rate rule, so that both variants compute the same update.
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, set_threads, write_json  # noqa: E402
-from flows.config import PretrainConfig  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, set_threads, write_json  # noqa: E402
+from flows.pretrain_config import PretrainConfig  # noqa: E402
 from model import LlamaForPretraining  # noqa: E402
 from tasks.training.optim import parameter_roles  # noqa: E402
 

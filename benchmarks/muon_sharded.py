@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, get_preset, load_pretrained  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.training.distributed import leave_process_group  # noqa: E402

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from pydantic import ValidationError
 
-    from benchmarks.common import (
+    from benchmarks.bench_common import (
         RESULTS_DIR,
         load_average,
         machine_info,
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         set_threads,
         write_json,
     )
-    from flows.config import PretrainConfig
+    from flows.pretrain_config import PretrainConfig
 
     threads = set_threads(args.threads)
     try:

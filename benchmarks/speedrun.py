@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
-from flows.config import PretrainConfig  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
+from flows.pretrain_config import PretrainConfig  # noqa: E402
 from model import export_hf, load_pretrained  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.data.packed import open_blocks  # noqa: E402
@@ -196,7 +196,7 @@ def tune_baseline_lr(
     """The baseline's learning rate searched with the sweep's budget: its trials, sampler, seed and pruner."""
     import optuna
 
-    from flows.sweep_study import open_storage, pruner_of, storage_url
+    from flows.sweep.study import open_storage, pruner_of, storage_url
 
     if spec.sampler == "grid":
         raise SystemExit(
@@ -245,8 +245,8 @@ def tune_baseline_lr(
 
 def swept_recipe(spec: Any) -> tuple[PretrainConfig, dict[str, Any]]:
     """llamaflow's side from the sweep's best trial (its values on the spec's base)."""
-    from flows.sweep_spec import trial_values
-    from flows.sweep_study import existing_study
+    from flows.sweep.spec import trial_values
+    from flows.sweep.study import existing_study
 
     study = existing_study(spec)
     if study is None or not any(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False)):
@@ -346,7 +346,7 @@ def main() -> None:
     config = PretrainConfig(preset=args.preset)
     spec, tuned = None, {}
     if args.sweep is not None:
-        from flows.sweep_spec import load_spec
+        from flows.sweep.spec import load_spec
 
         spec = load_spec(args.sweep)
         config, tuned["llamaflow"] = swept_recipe(spec)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.bare_step import PhaseTimes, bare_step, forward_backward  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
     RESULTS_DIR,
     load_average,
     machine_info,
@@ -40,7 +40,7 @@ from benchmarks.common import (  # noqa: E402
     set_threads,
     write_json,
 )
-from flows.config import PretrainConfig  # noqa: E402
+from flows.pretrain_config import PretrainConfig  # noqa: E402
 from model import LlamaForPretraining, flops_per_token, get_preset  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
 from tasks.training.optim import build_optimizer, parameter_roles  # noqa: E402
@@ -87,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", default="demo", help="a run preset of flows.config (default: demo)")
+    parser.add_argument(
+        "--preset", default="demo", help="a run preset of flows.pretrain_config (default: demo)"
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
     parser.add_argument(
         "--micro-batch-size", type=int, default=None, help="override the preset's micro-batch"

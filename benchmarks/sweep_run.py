@@ -28,9 +28,9 @@ from optuna.trial import TrialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, ROOT, load_average, machine_info, write_json  # noqa: E402
-from flows.sweep_spec import SweepSpec, load_spec, pretrain_command, trial_values  # noqa: E402
-from flows.sweep_study import FINISHED, existing_study, sweep_dir  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, ROOT, load_average, machine_info, write_json  # noqa: E402
+from flows.sweep.spec import SweepSpec, load_spec, pretrain_command, trial_values  # noqa: E402
+from flows.sweep.study import FINISHED, existing_study, sweep_dir  # noqa: E402
 
 
 def run(spec: SweepSpec, spec_path: Path, log: Path, kill_after: int | None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, markdown_table, write_json  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, markdown_table, write_json  # noqa: E402
 
 KEYS = (
     "train/loss",

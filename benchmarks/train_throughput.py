@@ -37,7 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
     RESULTS_DIR,
     gpu_spec_peak,
     load_average,

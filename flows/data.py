@@ -11,10 +11,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from flows.config import PretrainConfig
+from flows.pretrain_config import PretrainConfig
 from model import LlamaConfig
 from tasks.build import parent_config
-from tasks.data.common import data_logger
+from tasks.data.errors import data_logger
 from tasks.dataset import build_dataset_task, plan_tokenization_task, tokenize_shard_task
 from tasks.init_from import InitFromError
 from tasks.init_from.vocab import check_extends, check_positions, embedding_rows

@@ -24,10 +24,10 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
-from flows.config import ConfigNote, PretrainConfig
 from flows.data import build_data, keep_tokenizer, tokenizer_for
-from flows.placement import check_placement, train_where_placed
-from flows.remote_train import FLOW_TIMEOUT_S
+from flows.pool.placement import check_placement, train_where_placed
+from flows.pool.remote_train import FLOW_TIMEOUT_S
+from flows.pretrain_config import ConfigNote, PretrainConfig
 from flows.result import PretrainResult, print_summary
 from tasks.build import build_model_task
 from tasks.evaluate import evaluate_task
@@ -253,9 +253,9 @@ def config_from_args(argv: list[str] | None = None) -> PretrainConfig:
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that report a user's input (the message names the problem and the fix), not a failure."""
-    from flows.placement import PlacementError
-    from flows.remote_train import SharedStorageError
-    from tasks.data.common import DataError
+    from flows.pool.placement import PlacementError
+    from flows.pool.remote_train import SharedStorageError
+    from tasks.data.errors import DataError
     from tasks.init_from import InitFromError
     from tasks.training import TrainingInputError
 

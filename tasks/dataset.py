@@ -34,8 +34,8 @@ from model.atomic import atomic_dir
 from tasks import home
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.common import data_logger
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
+from tasks.data.errors import data_logger
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
 from tasks.data.tokens import (

@@ -24,8 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from model.atomic import atomic_dir
 from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.common import data_logger
 from tasks.data.corpus import DataError, DataSpec, blake, resolve_corpus
+from tasks.data.errors import data_logger
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from uuid import UUID
 
-from flows.processes import free_port, stop_tree
+from flows.services.processes import free_port, stop_tree
 
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def shared_checkout_prefect_file(root: Path) -> Path:
 
 
 def stop_process_tree(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """Stop `proc` and every process it started (flows.processes.stop_tree), then reap it."""
+    """Stop `proc` and every process it started (flows.services.processes.stop_tree), then reap it."""
     if proc.poll() is None:
         stop_tree(proc.pid, grace_s)
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.config import RUN_PRESETS, ConfigNote, PretrainConfig
 from flows.pretrain import config_from_args
+from flows.pretrain_config import RUN_PRESETS, ConfigNote, PretrainConfig
 from model import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_both_run_lengths_on_the_command_line_are_refused(capsys: pytest.Capture
 @pytest.mark.parametrize("preset", ["tiny", "demo"])
 @pytest.mark.parametrize("max_steps", [1, 2, 3, 4, 5])
 def test_a_presets_warmup_is_clamped_to_a_short_run(preset: str, max_steps: int) -> None:
-    from flows.config import ConfigNote
+    from flows.pretrain_config import ConfigNote
 
     with pytest.warns(ConfigNote, match=rf"warmup_steps={RUN_PRESETS[preset]['warmup_steps']} of preset"):
         config = PretrainConfig(preset=preset, max_steps=max_steps)

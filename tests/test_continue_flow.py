@@ -25,9 +25,9 @@ from registry_world import sqlite_store
 from tokenizers import Tokenizer
 
 import flows.pretrain as pretrain_module
-from flows.config import PretrainConfig
 from flows.data import build_data
 from flows.pretrain import pretrain
+from flows.pretrain_config import PretrainConfig
 from flows.result import lineage_lines
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
 from tasks import home
@@ -35,7 +35,7 @@ from tasks.data import tokens
 from tasks.dataset import plan_tokenization
 from tasks.export import export_registered
 from tasks.init_from import InitFromError
-from tasks.init_from.store import weights_sha256
+from tasks.init_from.parent_cache import weights_sha256
 from tasks.lookup import download_model_files
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage

@@ -38,9 +38,9 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.config import PretrainConfig
-from flows.placement import PlacementError, check_placement, train_on_deployment
-from flows.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
+from flows.pool.placement import PlacementError, check_placement, train_on_deployment
+from flows.pool.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
+from flows.pretrain_config import PretrainConfig
 from prefect_server import (
     TINY_RUN,
     deployment_run_cli,
@@ -211,7 +211,7 @@ def test_prefect_yaml_deploys_schedules_pull_step_and_a_parameter_form(stack: St
         assert clone_step[1]["commit_sha"] == shipped.commit
         assert install_step[0] == "prefect.deployments.steps.pip_install_requirements"
         assert install_step[1]["directory"] == "{{ " + clone_step[1]["id"] + ".directory }}"
-        assert install_step[1]["requirements_file"] == "flows/worker-requirements.txt"
+        assert install_step[1]["requirements_file"] == "flows/pool/worker-requirements.txt"
         assert str(shipped.deployer) not in json.dumps(dep.model_dump(mode="json"))
     assert nightly.parameters == {"config": {"preset": "demo"}}
 

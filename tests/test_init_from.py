@@ -19,13 +19,13 @@ from registry_world import sqlite_store
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from flows.config import PretrainConfig
 from flows.data import tokenizer_for
+from flows.pretrain_config import PretrainConfig
 from hf_checkpoint import BOS, COMMIT, EOS, put_in_hf_cache, save_hf_llama
 from model import LlamaForPretraining, get_preset, load_pretrained, save_weights
 from tasks.build import build_model
 from tasks.init_from import InitFromError, resolve_for_run, resolve_init_from
-from tasks.init_from.store import weights_sha256
+from tasks.init_from.parent_cache import weights_sha256
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version

@@ -35,10 +35,10 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelled, Running
 
-from flows import nodes
-from flows.config import PretrainConfig
-from flows.placement import PlacementError, check_placement, train_on_deployment
-from flows.processes import free_port
+from flows.pool import nodes
+from flows.pool.placement import PlacementError, check_placement, train_on_deployment
+from flows.pretrain_config import PretrainConfig
+from flows.services.processes import free_port
 from model import get_preset
 from prefect_server import (
     TINY_RUN,
@@ -254,7 +254,7 @@ def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_pat
             "-X",
             "faulthandler",  # SIGABRT then prints every thread's stack: where a hang is
             "-c",
-            "import sys; from flows.placement import train_on_deployment; "
+            "import sys; from flows.pool.placement import train_on_deployment; "
             "from tasks.refs import DatasetRef, ModelRef; from tasks.training import TrainSettings; "
             "train_on_deployment('remote-train/idle', ModelRef.model_validate_json(sys.argv[1]), "
             "DatasetRef.model_validate_json(sys.argv[2]), TrainSettings.model_validate_json(sys.argv[3]), "

@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from registry_world import corpus, stdlib_text
 
-from flows.processes import free_port, wait_http
+from flows.services.processes import free_port, wait_http
 from prefect_server import PREFECT_CLI, start, stop_process_tree, tail, wait_healthy
 from tasks.training.metrics import METRICS_FILE, read_metrics
 

@@ -23,8 +23,8 @@ from prefect.settings import PREFECT_API_URL
 from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
-from flows.config import PretrainConfig
 from flows.pretrain import pretrain
+from flows.pretrain_config import PretrainConfig
 from flows.result import PretrainResult, print_summary
 from model import LlamaConfig, LlamaForPretraining, load_pretrained, load_weights
 from tasks import home

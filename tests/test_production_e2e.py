@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from flows import services as stores
-from flows.processes import free_port, stop_tree, wait_http
+from flows.services.processes import free_port, stop_tree, wait_http
 from prefect_server import TINY_RUN, deployment_run_cli, prefect, start, tail, wait_for_flow_run
 from prefect_server import git as _git
 from prefect_server import publish_snapshot as _publish_snapshot
@@ -170,7 +170,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         )
         worker_log = root / "worker.log"
         worker = start(
-            [str(python), "-m", "flows.worker", "--pool", "gpu-pool"],
+            [str(python), "-m", "flows.pool.worker", "--pool", "gpu-pool"],
             worker_env,
             place,
             worker_log,

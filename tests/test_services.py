@@ -28,8 +28,15 @@ import psutil
 import pytest
 
 from flows import services as stores
-from flows.processes import ProcessIdentity, free_port, port_is_free, start_detached, start_mark, stop_tree
 from flows.services import postgres, servers
+from flows.services.processes import (
+    ProcessIdentity,
+    free_port,
+    port_is_free,
+    start_detached,
+    start_mark,
+    stop_tree,
+)
 from prefect_server import TINY_RUN
 
 pytestmark = pytest.mark.e2e
@@ -259,7 +266,7 @@ def test_a_worker_with_wrong_credentials_stops_at_its_start_with_one_line(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(worker_env, PREFECT_HOME=str(Path(services.root).parent / "worker-prefect"))
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    command = [sys.executable, "-m", "flows.worker", "--pool", "credential-check-pool"]
+    command = [sys.executable, "-m", "flows.pool.worker", "--pool", "credential-check-pool"]
 
     def start(**changes: str) -> list[str]:
         done = subprocess.run(command, env={**env, **changes}, capture_output=True, text=True, timeout=300)
@@ -301,8 +308,8 @@ def test_prefect_logs_states_tags_and_placement_errors_show_no_credentials(
     from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.config import PretrainConfig
-    from flows.placement import PlacementError, check_placement
+    from flows.pool.placement import PlacementError, check_placement
+    from flows.pretrain_config import PretrainConfig
     from tasks.tracking import store
 
     kept = stores.Secrets.load(Path(services.root))

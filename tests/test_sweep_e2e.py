@@ -21,7 +21,7 @@ import yaml
 from optuna.trial import TrialState
 from registry_world import corpus, stdlib_text
 
-from flows.sweep_study import open_storage
+from flows.sweep.study import open_storage
 from prefect_server import prefect_server, tail
 from tasks.tracking import store
 

@@ -10,12 +10,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from flows.config import PretrainConfig
 from flows.pretrain import config_from_args, describe_validation_error
+from flows.pretrain_config import PretrainConfig
 from flows.sweep import main
-from flows.sweep_report import compare, paired_p_value
-from flows.sweep_spec import check_spec, pretrain_command, tokens_per_step, trial_values
-from flows.sweep_study import sampler_of, search_fingerprint
+from flows.sweep.report import compare, paired_p_value
+from flows.sweep.spec import check_spec, pretrain_command, tokens_per_step, trial_values
+from flows.sweep.study import sampler_of, search_fingerprint
 
 GOOD = {
     "name": "wd",
@@ -146,6 +146,6 @@ def test_the_paired_test_of_the_confirmation() -> None:
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks" / "sweeps").glob("*.yaml")))
 def test_the_benchmark_specs_are_valid(path: Path) -> None:
-    from flows.sweep_spec import load_spec
+    from flows.sweep.spec import load_spec
 
     assert load_spec(path).n_trials >= 2  # every value of every dimension checked against PretrainConfig

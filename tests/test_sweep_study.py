@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from flows.sweep_study import HEARTBEAT, OWNER, STALE_AFTER_S, claim_next, owner_gone, release
+from flows.sweep.study import HEARTBEAT, OWNER, STALE_AFTER_S, claim_next, owner_gone, release
 
 
 @pytest.fixture()
@@ -38,7 +38,7 @@ def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) 
         [
             sys.executable,
             "-c",
-            "import os; from flows.processes import start_mark; print(os.getpid(), start_mark(os.getpid()))",
+            "import os; from flows.services.processes import start_mark; print(os.getpid(), start_mark(os.getpid()))",
         ],
         capture_output=True,
         text=True,

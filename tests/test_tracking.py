@@ -406,8 +406,8 @@ def test_a_train_deployment_gets_the_store_without_its_credentials(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefect stores and shows flow-run parameters: the worker's own environment supplies the password."""
-    from flows.placement import deployment_parameters
-    from flows.remote_train import SharedStorageError, resolve_tracking_uri
+    from flows.pool.placement import deployment_parameters
+    from flows.pool.remote_train import SharedStorageError, resolve_tracking_uri
     from tasks.refs import ModelRef
     from tasks.training import TrainSettings
 

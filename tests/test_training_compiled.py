@@ -1,7 +1,7 @@
 """Compiled bf16 training: agrees with eager, never recompiles, and resumes bit for bit after `kill -9`.
 
 One in-process compiled run is the reference for every assertion here; the killed and resumed runs are
-real subprocesses (`python -m tasks.training.worker`), sharing the inductor cache with this process.
+real subprocesses (`python -m tasks.training.rank`), sharing the inductor cache with this process.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def run_worker(
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     env[ENV_VAR] = fault
     return subprocess.Popen(
-        [sys.executable, "-m", "tasks.training.worker", str(spec)],
+        [sys.executable, "-m", "tasks.training.rank", str(spec)],
         cwd=PROJECT_ROOT,
         env=env,
         stdout=subprocess.PIPE,

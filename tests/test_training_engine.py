@@ -266,7 +266,7 @@ def test_the_last_step_reaches_the_end_value_whatever_the_warmup(schedule: str, 
 def test_a_short_run_from_a_preset_decays_to_the_end_value_in_every_param_group(
     tmp_path: Path, dataset: DatasetRef, model_ref: ModelRef, schedule: str, optimizer: str
 ) -> None:
-    from flows.config import ConfigNote, PretrainConfig
+    from flows.pretrain_config import ConfigNote, PretrainConfig
 
     with pytest.warns(ConfigNote, match="warmup_steps=5 of preset 'tiny' clamped to 2"):
         config = PretrainConfig(

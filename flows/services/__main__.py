@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from flows.processes import ProcessError
 from flows.services import add_user, down, load, running, up
+from flows.services.processes import ProcessError
 from flows.services.state import ENV_FILE, ServicesError
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from flows.processes import alive, free_port, port_is_free, stop_tree
 from flows.services import postgres, servers
+from flows.services.processes import alive, free_port, port_is_free, stop_tree
 from flows.services.state import (
     LOOPBACK,
     Secrets,

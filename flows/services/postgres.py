@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from flows.processes import ProcessIdentity
+from flows.services.processes import ProcessIdentity
 from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
 from tasks.credentials import redact, remember_secret
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.processes import ProcessIdentity, start_detached, wait_http
+from flows.services.processes import ProcessIdentity, start_detached, wait_http
 from flows.services.state import ADMIN_USER, LOOPBACK, Secrets, ServerRecord, Services, is_loopback
 
 SERVERS = ("prefect", "mlflow")

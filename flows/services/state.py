@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.processes import ProcessIdentity
+from flows.services.processes import ProcessIdentity
 
 STATE_FILE = "services.json"
 SECRETS_FILE = "secrets.json"

@@ -36,7 +36,7 @@ WORKER_PERMISSION = "EDIT"
 
 def default_resources() -> tuple[list[str], list[str]]:
     """The experiments and registered models of the run presets and of the defaults."""
-    from flows.config import RUN_PRESETS, PretrainConfig
+    from flows.pretrain_config import RUN_PRESETS, PretrainConfig
 
     fields = PretrainConfig.model_fields
     experiments = {

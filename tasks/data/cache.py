@@ -19,7 +19,7 @@ from pathlib import Path
 
 from model.atomic import remove_stale
 from tasks import home
-from tasks.data.common import data_logger
+from tasks.data.errors import data_logger
 
 COMPLETE_MARKER = "meta.json"
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.data.common import DataError, DataWarning, blake, unit_hash
+from tasks.data.errors import DataError, DataWarning, blake, unit_hash
 from tasks.data.files import (
     RECORD_SUFFIXES,
     STDLIB_EXCLUDED_DIRS,
@@ -41,7 +41,7 @@ from tasks.data.files import (
     line_cut,
     read_source_files,
 )
-from tasks.data.hf import hf_fingerprint, hf_split_dataset, parse_hf
+from tasks.data.hf_datasets import hf_fingerprint, hf_split_dataset, parse_hf
 
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.data.common import DataError, DataWarning, unit_hash
+from tasks.data.errors import DataError, DataWarning, unit_hash
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")

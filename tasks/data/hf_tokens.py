@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.data.common import blake
 from tasks.data.corpus import CorpusSplit
+from tasks.data.errors import blake
 from tasks.data.packed import write_split
 from tasks.refs import TokenizerRef
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from model.atomic import atomic_file, write_text_atomic
 from tasks import home
-from tasks.data.common import blake
+from tasks.data.errors import blake
 from tasks.data.files import RECORD_SUFFIXES, FilePart, SourceFile, part_texts
 from tasks.refs import TokenizerRef
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from prefect import task
 
 from model.atomic import write_text_atomic
-from tasks.data.common import data_logger
+from tasks.data.errors import data_logger
 from tasks.init_from.hf_source import is_hf_dir, looks_like_hub_id, resolve_hf, resolve_hub_id
 from tasks.init_from.local import describe_run_dir, resolve_local
 from tasks.init_from.mlflow_source import (
@@ -29,7 +29,7 @@ from tasks.init_from.mlflow_source import (
     resolve_registry,
     resolve_run,
 )
-from tasks.init_from.store import InitFromError
+from tasks.init_from.parent_cache import InitFromError
 from tasks.refs import ParentRef
 from tasks.tracking import store
 from tasks.training import checkpoint as ckpt

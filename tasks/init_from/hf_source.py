@@ -15,8 +15,8 @@ from typing import Any
 
 from model.hf import import_hf
 from model.weights import CONFIG_FILE, WEIGHTS_FILE, save_weights
-from tasks.data.common import blake
-from tasks.init_from.store import TOKENIZER_FILE, InitFromError, link_or_copy, materialize
+from tasks.data.errors import blake
+from tasks.init_from.parent_cache import TOKENIZER_FILE, InitFromError, link_or_copy, materialize
 from tasks.refs import ParentRef
 from tasks.training.checkpoint import sha256_file
 

@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from model.weights import CONFIG_FILE, WEIGHTS_FILE, read_metadata
-from tasks.data.common import data_logger
-from tasks.init_from.store import InitFromError, link_or_copy, materialize, tokenizer_in, weights_sha256
+from tasks.data.errors import data_logger
+from tasks.init_from.parent_cache import (
+    InitFromError,
+    link_or_copy,
+    materialize,
+    tokenizer_in,
+    weights_sha256,
+)
 from tasks.refs import ParentRef
 from tasks.tracking.runs import read_run_record
 from tasks.training import checkpoint as ckpt

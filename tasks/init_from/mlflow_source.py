@@ -20,8 +20,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from model.weights import CONFIG_FILE, WEIGHTS_FILE
-from tasks.data.common import blake
-from tasks.init_from.store import TOKENIZER_FILE, InitFromError, materialize
+from tasks.data.errors import blake
+from tasks.init_from.parent_cache import TOKENIZER_FILE, InitFromError, materialize
 from tasks.lookup import parse_model_uri, resolve_version
 from tasks.refs import ParentRef
 from tasks.registry import lineage

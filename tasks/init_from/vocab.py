@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from model import LlamaConfig
-from tasks.init_from.store import InitFromError
+from tasks.init_from.parent_cache import InitFromError
 from tasks.refs import ParentRef, TokenizerRef
 
 # Parameters with one row per token id (a tied output head is stored as the embedding).

@@ -1,5 +1,5 @@
 """`fit`, the engine's entry: trains in this process for one device, or as a `torchrun` job (each rank runs
-`tasks.training.worker`) for several processes, several nodes or restarts (`tasks.training.rendezvous`).
+`tasks.training.rank`) for several processes, several nodes or restarts (`tasks.training.rendezvous`).
 
 Either way the run directory is locked for the job's whole life (`tasks.training.run_lock`).
 """
@@ -201,7 +201,7 @@ def _stop(process: subprocess.Popen, wait_s: float) -> None:
 
 
 def write_worker_spec(spec: WorkerSpec) -> Path:
-    """Write `<run_dir>/torchrun_spec.json` for `python -m tasks.training.worker`; the main rank writes its
+    """Write `<run_dir>/torchrun_spec.json` for `python -m tasks.training.rank`; the main rank writes its
     result to `<run_dir>/torchrun_result.json`."""
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

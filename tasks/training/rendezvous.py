@@ -77,7 +77,7 @@ def free_port_on(address: str) -> int:
 
 
 def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) -> list[str]:
-    """`python -m torch.distributed.run ... -m tasks.training.worker SPEC` for this node.
+    """`python -m torch.distributed.run ... -m tasks.training.rank SPEC` for this node.
 
     torchrun's shutdown timeout (how long workers get after a stop signal before SIGKILL; 30 s by default)
     is the stop grace, so a stop during a slow checkpoint write or the first compile keeps its checkpoint.
@@ -106,7 +106,7 @@ def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) ->
         local = node_address(host)
         if local is not None:
             command.append(f"--local-addr={local}")
-    return [*command, "-m", "tasks.training.worker", str(spec_path)]
+    return [*command, "-m", "tasks.training.rank", str(spec_path)]
 
 
 def stop_wait_s(settings: TrainSettings) -> float:

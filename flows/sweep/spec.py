@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from flows.config import PretrainConfig
+from flows.pretrain_config import PretrainConfig
 from model import LlamaConfig
 
 OVERRIDES = "model_overrides."

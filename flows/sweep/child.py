@@ -1,6 +1,6 @@
 """A sweep's local trial: `python -m flows.pretrain` with the same arguments, ended when the sweep dies.
 
-    python -m flows.sweep_child SWEEP_PID --config trial/config.yaml
+    python -m flows.sweep.child SWEEP_PID --config trial/config.yaml
 
 On Linux the child asks to be told when its parent dies (PR_SET_PDEATHSIG), so a sweep killed with
 kill -9 leaves no trial training on: each writes a checkpoint and ends, and the next sweep resumes it.

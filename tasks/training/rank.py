@@ -1,4 +1,4 @@
-"""One rank of a `torchrun` data-parallel job: `python -m tasks.training.worker <torchrun_spec.json>`.
+"""One rank of a `torchrun` data-parallel job: `python -m tasks.training.rank <torchrun_spec.json>`.
 
 Under torchrun (WORLD_SIZE set, even to 1) it joins the process group, and the model is shared as
 `data_parallel` says; started without torchrun, it trains as a single process: a run in its own process.
@@ -53,5 +53,5 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m tasks.training.worker <torchrun_spec.json>")
+        raise SystemExit("usage: python -m tasks.training.rank <torchrun_spec.json>")
     main(sys.argv[1])

@@ -1,20 +1,20 @@
 """Where the train task runs: in this flow run (default), or as a separate deployment on the GPU pool.
 
 `placement="deployment"` keeps the data stages where the `pretrain` flow runs and starts the
-`remote-train` flow (flows/remote_train.py) through `run_deployment`. Only references cross: paths relative
+`remote-train` flow (flows/pool/remote_train.py) through `run_deployment`. Only references cross: paths relative
 to each side's LLAMAFLOW_HOME, the MLflow run id and the tracking URI without its credentials. With an MLflow server, the inputs and the
-final checkpoint travel as the run's artifacts when the two sides do not share a disk (flows/handoff.py);
+final checkpoint travel as the run's artifacts when the two sides do not share a disk (flows/pool/handoff.py);
 with a SQLite store they must share LLAMAFLOW_HOME. docs/production.md explains the set-up.
 
 The wait for the training run is bounded: when it has not ended in time, it is cancelled (so it frees its
-pool's slot) and this run fails. With `nnodes > 1` the deployment runs once per node (flows/nodes.py).
+pool's slot) and this run fails. With `nnodes > 1` the deployment runs once per node (flows/pool/nodes.py).
 """
 
 from __future__ import annotations
 
-from flows import handoff, nodes
-from flows.config import PretrainConfig
-from flows.remote_train import FLOW_TIMEOUT_S, SharedStorageError, read_result
+from flows.pool import handoff, nodes
+from flows.pool.remote_train import FLOW_TIMEOUT_S, SharedStorageError, read_result
+from flows.pretrain_config import PretrainConfig
 from tasks import home
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.tracking.store import redact_uri
@@ -89,7 +89,7 @@ def deployment_parameters(
     retries: int,
 ) -> dict[str, object]:
     """The remote-train flow run's parameters. Prefect stores and shows parameters, so the MLflow store
-    goes without its credentials (the worker's environment supplies them, see flows/remote_train.py)."""
+    goes without its credentials (the worker's environment supplies them, see flows/pool/remote_train.py)."""
     return {
         "model": model,
         "dataset": dataset,
@@ -113,7 +113,7 @@ def train_on_deployment(
     timeout_s: float | None = None,
 ) -> CheckpointRef:
     """Run deployment `deployment` (FLOW/NAME of the `remote-train` flow), wait for it, return its CheckpointRef.
-    With `settings.nnodes > 1` it runs once per node, and `retries` retries the whole group (flows/nodes.py)."""
+    With `settings.nnodes > 1` it runs once per node, and `retries` retries the whole group (flows/pool/nodes.py)."""
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL

@@ -3,7 +3,7 @@
 The `pretrain` flow (with `placement="deployment"`) prepares data where it runs, then starts this flow
 through `run_deployment`, passing only references (paths relative to each side's LLAMAFLOW_HOME) and the
 MLflow run id. The CheckpointRef travels back as a small JSON file in the run directory when both sides
-share it, else through the MLflow run's artifacts (flows/handoff.py); no Prefect result storage is needed.
+share it, else through the MLflow run's artifacts (flows/pool/handoff.py); no Prefect result storage is needed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows import handoff, nodes
+from flows.pool import handoff, nodes
 from model.atomic import write_text_atomic
 from tasks import home
 from tasks.home import apply_embedded_defaults
@@ -136,9 +136,9 @@ def remote_train(
     node0_flow_run: str | None = None,
 ) -> CheckpointRef:
     """Train `model` on `dataset` in `run_dir` (under `$LLAMAFLOW_HOME`: this worker's home); retries resume
-    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/handoff.py).
+    from the newest checkpoint there. Inputs this worker lacks come from the MLflow run (flows/pool/handoff.py).
 
-    With `settings.nnodes > 1` this is node `node` of the job (flows/nodes.py): node 0 publishes the
+    With `settings.nnodes > 1` this is node `node` of the job (flows/pool/nodes.py): node 0 publishes the
     rendezvous, sends the metrics to MLflow and hands the result back; node k meets it through
     `node0_flow_run`, node 0's flow run."""
     apply_embedded_defaults()

@@ -1,6 +1,6 @@
 """What the periodic validation score (`eval_every`, `eval_blocks`: what a sweep prunes on) costs.
 
-    .venv/bin/python benchmarks/periodic_eval.py [--preset demo] [--steps 21] [--eval-blocks 64] [--every 30 150]
+    .venv/bin/python benchmarks/periodic_eval_cost.py [--preset demo] [--steps 21] [--eval-blocks 64] [--every 30 150]
 
 One run of the real engine (`tasks.training.fit`, the preset's recipe and the main job's data) scoring
 `--eval-blocks` held-out blocks every 10 steps; its logged seconds per score (`val_subset/time_s`) against
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
-from flows.config import PretrainConfig  # noqa: E402
+from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
+from flows.pretrain_config import PretrainConfig  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.dataset import build_dataset  # noqa: E402
 from tasks.tokenize import train_tokenizer  # noqa: E402

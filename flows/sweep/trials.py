@@ -30,10 +30,10 @@ import psutil
 import yaml
 from optuna.trial import TrialState
 
-from flows.config import PretrainConfig
-from flows.processes import start_mark
-from flows.sweep_spec import METRICS, SweepSpec, tokens_per_step
-from flows.sweep_study import HEARTBEAT, HEARTBEAT_S, release
+from flows.pretrain_config import PretrainConfig
+from flows.services.processes import start_mark
+from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step
+from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking import store
 
@@ -167,7 +167,7 @@ def _pool_slot(limit: str | None, trial: optuna.trial.Trial | None) -> Iterator[
 
 
 class LocalTrial:
-    """`python -m flows.sweep_child --config <directory>/config.yaml`: the pretrain command line, as a child."""
+    """`python -m flows.sweep.child --config <directory>/config.yaml`: the pretrain command line, as a child."""
 
     def __init__(self, plan: TrialPlan, ctx: SweepContext, trial: optuna.trial.Trial | None) -> None:
         self.plan, self.ctx, self.trial = plan, ctx, trial
@@ -187,7 +187,7 @@ class LocalTrial:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         if self.ctx.spec.parallel > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.spec.parallel))
-        command = [sys.executable, "-m", "flows.sweep_child", str(os.getpid()), "--config", str(config)]
+        command = [sys.executable, "-m", "flows.sweep.child", str(os.getpid()), "--config", str(config)]
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         if self.trial is not None:

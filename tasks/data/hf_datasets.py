@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tasks.data.common import DataError, blake, unit_hash
+from tasks.data.errors import DataError, blake, unit_hash
 
 
 def parse_hf(source: str) -> tuple[str, str | None]:

@@ -28,8 +28,8 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from flows.processes import start_mark
-from flows.sweep_spec import SweepSpec, is_integer
+from flows.services.processes import start_mark
+from flows.sweep.spec import SweepSpec, is_integer
 from tasks import home
 
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"

@@ -4,13 +4,13 @@
     python -m flows.sweep spec.yaml --register        # then train the winner under the base's model name
 
     from flows.sweep import sweep
-    from flows.sweep_spec import load_spec
+    from flows.sweep.spec import load_spec
     result = sweep(load_spec("spec.yaml"))
 
-The spec (flows/sweep_spec.py) names a base configuration and a space; Optuna (flows/sweep_study.py) draws
+The spec (flows/sweep/spec.py) names a base configuration and a space; Optuna (flows/sweep/study.py) draws
 each trial's values and keeps the study in a store that outlives the process, so the same command after a
-crash or kill -9 goes on where it stopped; each trial (flows/sweep_trials.py) is a pretrain run with its
-own MLflow run nested under the sweep's (flows/sweep_report.py), registered under a model name of the
+crash or kill -9 goes on where it stopped; each trial (flows/sweep/trials.py) is a pretrain run with its
+own MLflow run nested under the sweep's (flows/sweep/report.py), registered under a model name of the
 sweep's own (`<model_name>-sweep-<name>`), so no trial moves the aliases of the base's model.
 """
 
@@ -31,7 +31,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
-from flows.sweep_report import (
+from flows.sweep.report import (
     Recommendation,
     compare,
     confirmation_lines,
@@ -42,8 +42,8 @@ from flows.sweep_report import (
     recommend,
     trial_rows,
 )
-from flows.sweep_spec import SweepSpec, check_spec, load_spec, pretrain_command, trial_values
-from flows.sweep_study import (
+from flows.sweep.spec import SweepSpec, check_spec, load_spec, pretrain_command, trial_values
+from flows.sweep.study import (
     Claimed,
     claim_next,
     counts,
@@ -53,7 +53,7 @@ from flows.sweep_study import (
     suggest,
     sweep_dir,
 )
-from flows.sweep_trials import SweepContext, TrialOutcome, TrialPlan, run_trial
+from flows.sweep.trials import SweepContext, TrialOutcome, TrialPlan, run_trial
 from tasks.home import apply_embedded_defaults
 from tasks.tracking import store
 
@@ -326,12 +326,12 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as `python -m flows.pretrain`: 0 done, 1 failed, 2 bad input, 130 stopped."""
     from flows.pretrain import _end_quietly, describe_validation_error
-    from flows.sweep_study import SpecChangedError
+    from flows.sweep.study import SpecChangedError
 
     parser = argparse.ArgumentParser(
         prog="python -m flows.sweep", description="Search PretrainConfig values with Optuna."
     )
-    parser.add_argument("spec", type=Path, help="YAML sweep spec (see flows/sweep_spec.py)")
+    parser.add_argument("spec", type=Path, help="YAML sweep spec (see flows/sweep/spec.py)")
     parser.add_argument(
         "--register",
         action=argparse.BooleanOptionalAction,

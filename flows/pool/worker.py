@@ -1,6 +1,6 @@
 """A Prefect worker that checks what it was given before it asks for work.
 
-    python -m flows.worker --pool gpu-pool [any other `prefect worker start` option]
+    python -m flows.pool.worker --pool gpu-pool [any other `prefect worker start` option]
 
 A worker with wrong or missing credentials would otherwise start, take flow runs and fail each of them, or
 stop in a traceback. This entry point first takes credentials out of the store URIs
@@ -84,7 +84,7 @@ def check_mlflow() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flows.worker",
+        prog="python -m flows.pool.worker",
         description="Check the worker's Prefect and MLflow credentials, then run `prefect worker start`.",
     )
     parser.add_argument("--pool", "-p", required=True, help="the work pool to serve (e.g. gpu-pool)")

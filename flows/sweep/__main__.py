@@ -1,0 +1,5 @@
+import sys
+
+from flows.sweep.flow import main
+
+sys.exit(main())
