@@ -209,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", type=Path, help="YAML file of PretrainConfig fields (flags override it)")
-    parser.add_argument("--init-checkpoint", help=argparse.SUPPRESS)  # the former name of --init-from
     for name, field in PretrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind, is_bool = _cli_type(field.annotation)

@@ -97,26 +97,6 @@ class ConfigNote(UserWarning):
     """A value the preset gave was adapted to what the user gave (the command line prints these)."""
 
 
-def _init_checkpoint_alias(values: dict[str, Any]) -> dict[str, Any]:
-    """`init_checkpoint` (the former name) is read as `init_from`, with a note."""
-    if "init_checkpoint" not in values:
-        return values
-    values = dict(values)
-    old = values.pop("init_checkpoint")
-    if old is None:
-        return values
-    if values.get("init_from") is not None:
-        raise ValueError(
-            f"init_checkpoint={old!r} and init_from={values['init_from']!r} both name the starting weights: "
-            "give init_from only (init_checkpoint is its former name)"
-        )
-    warnings.warn(
-        f"init_checkpoint is now called init_from: using init_from={old!r}", ConfigNote, stacklevel=3
-    )
-    values["init_from"] = old
-    return values
-
-
 def _check_init_from(source: str) -> None:
     """Cheap syntax checks before any task runs (the store and the files are checked when resolving)."""
     from tasks.init_from.hf_source import looks_like_hub_id
@@ -229,7 +209,6 @@ class PretrainConfig(TrainSettings):
     def _fill_from_preset(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
-        values = _init_checkpoint_alias(values)
         preset = values.get("preset", "demo")
         if preset not in RUN_PRESETS:
             raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}")

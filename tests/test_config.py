@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.pretrain import config_from_args
-from flows.pretrain_config import RUN_PRESETS, ConfigNote, PretrainConfig
+from flows.pretrain_config import RUN_PRESETS, PretrainConfig
 from model import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,11 +117,9 @@ def test_every_training_option_goes_from_the_command_line_to_the_engine_unchange
         ({"seq_len": 100_000}, "max_position_embeddings"),
         ({"seq_len": 1}, "seq_len"),
         ({"preset": "huge"}, "unknown preset"),
-        ({"init_checkpoint": "/no/such/ckpt"}, "does not exist"),
         ({"init_from": "/no/such/ckpt"}, "does not exist"),
         ({"init_from": "models:/x@champion", "model": "tiny"}, "init_from takes the architecture"),
         ({"init_from": "models:/x@champion", "vocab_size": 4096}, "drop vocab_size"),
-        ({"init_from": "models:/x/1", "init_checkpoint": "/ckpt"}, "give init_from only"),
         ({"resize_embeddings": True}, "it needs init_from"),
         ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
         ({"warmup_steps": 40}, "warmup_steps=40 must be smaller than max_steps=30"),  # the preset's max_steps
@@ -269,9 +267,7 @@ def test_model_overrides_given_add_to_the_presets() -> None:
     assert PretrainConfig(preset="demo").llama_config().qk_norm
 
 
-def test_init_from_takes_the_parents_architecture_and_init_checkpoint_is_its_former_name(
-    tmp_path: Path,
-) -> None:
+def test_init_from_takes_the_parents_architecture(tmp_path: Path) -> None:
     corpus = tmp_path / "new_docs"
     corpus.mkdir()
     (corpus / "a.txt").write_text("text")
@@ -290,6 +286,3 @@ def test_init_from_takes_the_parents_architecture_and_init_checkpoint_is_its_for
         "vocab_size": 320,
         "max_position_embeddings": 4096,
     }
-    with pytest.warns(ConfigNote, match="init_checkpoint is now called init_from"):
-        old = config_from_args(["--preset", "tiny", "--init-checkpoint", str(corpus)])
-    assert old.init_from == str(corpus)
