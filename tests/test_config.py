@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.pretrain import config_from_args
+from flows.cli import config_from_args
 from flows.pretrain_config import RUN_PRESETS, PretrainConfig
 from model import get_preset
 

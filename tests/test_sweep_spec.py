@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from flows.pretrain import config_from_args, describe_validation_error
+from flows.cli import config_from_args, describe_validation_error
 from flows.pretrain_config import PretrainConfig
 from flows.sweep import main
 from flows.sweep.report import compare, paired_p_value

@@ -31,6 +31,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
+from flows.cli import describe_validation_error, end_quietly
 from flows.sweep.report import (
     Recommendation,
     compare,
@@ -325,7 +326,6 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as `python -m flows.pretrain`: 0 done, 1 failed, 2 bad input, 130 stopped."""
-    from flows.pretrain import _end_quietly, describe_validation_error
     from flows.sweep.study import SpecChangedError
 
     parser = argparse.ArgumentParser(
@@ -351,13 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep(spec, register_winner=args.register)
     except KeyboardInterrupt as err:
-        _end_quietly(f"stopped: {err or 'interrupted'}; run the same command again to continue the sweep")
+        end_quietly(f"stopped: {err or 'interrupted'}; run the same command again to continue the sweep")
         return 130
     except SpecChangedError as err:
-        _end_quietly(f"error: {err}")
+        end_quietly(f"error: {err}")
         return 2
     except Exception as err:
-        _end_quietly(f"error: {err}")
+        end_quietly(f"error: {err}")
         return 1
     return 0
 
