@@ -15,6 +15,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from stdlib_corpus import stdlib_text
+
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -22,8 +24,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 def stdlib_texts(
     names: tuple[str, ...] = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py"),
 ) -> list[str]:
-    root = Path(os.__file__).parent
-    return [(root / name).read_text(encoding="utf-8") for name in names]
+    return stdlib_text(names)
 
 
 def byte_level_tokenizer(vocab_size: int = 320) -> Tokenizer:

@@ -7,7 +7,6 @@ A test module builds it once in a module fixture: `build_world(tmp_path_factory.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model import LlamaConfig, LlamaForPretraining, get_preset, save_weights
+from stdlib_corpus import stdlib_text
 from tasks.dataset import build_dataset
 from tasks.evaluate import evaluate
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, TokenizerRef
@@ -29,11 +29,6 @@ SEQ_LEN = 64
 VOCAB = 384
 OTHER_VOCAB = 320
 PAD_ID, BOS_ID, EOS_ID = 2, 0, 1
-
-
-def stdlib_text(names: tuple[str, ...], limit: int) -> list[str]:
-    root = Path(os.__file__).parent
-    return [(root / name).read_text(encoding="utf-8")[:limit] for name in names]
 
 
 def corpus(root: Path, name: str, texts: list[str]) -> str:

@@ -15,6 +15,7 @@ from model import LlamaConfig
 from tasks.build import build_model
 from tasks.data.packed import FORMAT_VERSION, token_dtype, write_meta, write_split
 from tasks.refs import DatasetRef, ModelRef
+from tasks.training import TrainSettings
 
 
 def write_packed_dataset(
@@ -80,3 +81,12 @@ def pattern_blocks(n_blocks: int, seq_len: int, vocab_size: int, seed: int, pad_
 def model_ref(config: LlamaConfig, seed: int = 0) -> ModelRef:
     """Initial weights of `config` from `seed`, as the build stage writes them."""
     return build_model(config, seed=seed)
+
+
+def eager_settings(**values: object) -> TrainSettings:
+    """Settings of a CPU engine test: eager fp32, 2 x 4 micro-batches, lr 3e-3, unless `values` say otherwise.
+    A module binds its own run with `functools.partial(eager_settings, ...)`."""
+    base: dict[str, object] = dict(
+        micro_batch_size=2, accumulate_steps=4, lr=3e-3, compile=False, dtype="fp32"
+    )
+    return TrainSettings(**{**base, **values})  # type: ignore[arg-type]

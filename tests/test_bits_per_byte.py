@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from registry_world import corpus, one_thread, save_checkpoint, stdlib_text, tiny_config
 from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, load_pretrained
+from registry_world import corpus, one_thread, save_checkpoint, stdlib_text, tiny_config
 from tasks import home
 from tasks.dataset import build_dataset
 from tasks.evaluate import evaluate

@@ -8,8 +8,6 @@ Real Prefect API, real SQLite MLflow store, real training (tiny model, a few eag
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -21,7 +19,6 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.context import get_run_context
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.testing.utilities import prefect_test_harness
-from registry_world import sqlite_store
 from tokenizers import Tokenizer
 
 import flows.pretrain as pretrain_module
@@ -30,6 +27,8 @@ from flows.pretrain import pretrain
 from flows.pretrain_config import PretrainConfig
 from flows.result import lineage_lines
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
+from registry_world import sqlite_store
+from stdlib_corpus import copy_modules
 from tasks import home
 from tasks.data import tokens
 from tasks.dataset import plan_tokenization
@@ -67,10 +66,7 @@ def prefect_api():
 
 
 def _corpus(root: Path, names: list[str]) -> str:
-    root.mkdir(parents=True, exist_ok=True)
-    stdlib = Path(os.__file__).parent
-    for name in names:
-        shutil.copyfile(stdlib / name, root / name)
+    copy_modules(root, names)
     return str(root)
 
 

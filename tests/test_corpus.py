@@ -4,40 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import sysconfig
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from stdlib_corpus import MODULES, copy_modules
 from tasks.data.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataSpec, DataWarning, resolve_corpus
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-SAMPLE_MODULES = [
-    "textwrap.py",
-    "string.py",
-    "shlex.py",
-    "fnmatch.py",
-    "bisect.py",
-    "keyword.py",
-    "glob.py",
-    "colorsys.py",
-    "this.py",
-    "heapq.py",
-    "copy.py",
-    "struct.py",
-]
-
-
-def _copy_modules(target: Path, names: list[str] = SAMPLE_MODULES) -> list[Path]:
-    target.mkdir(parents=True, exist_ok=True)
-    copies = []
-    for name in names:
-        copy = target / name
-        copy.write_bytes((STDLIB / name).read_bytes())
-        copies.append(copy)
-    return copies
 
 
 def _split_names(corpus) -> tuple[set[str], set[str]]:
@@ -73,7 +47,7 @@ def test_adding_a_file_keeps_the_others_in_their_split(tmp_path: Path) -> None:
 
 
 def test_fingerprint_follows_content_not_mtime(tmp_path: Path) -> None:
-    files = _copy_modules(tmp_path / "c")
+    files = copy_modules(tmp_path / "c")
     base = resolve_corpus(str(tmp_path / "c"))
     os.utime(files[0], (1_000_000, 1_000_000))
     assert resolve_corpus(str(tmp_path / "c")).fingerprint == base.fingerprint
@@ -135,7 +109,7 @@ def test_jsonl_json_and_parquet_records(tmp_path: Path) -> None:
 
 
 def test_datasets_view_matches_plain_iteration(tmp_path: Path) -> None:
-    _copy_modules(tmp_path / "c")
+    copy_modules(tmp_path / "c")
     corpus = resolve_corpus(str(tmp_path / "c"), val_fraction=0.2)
     eager = corpus.train.dataset()
     assert eager.column_names == ["text"]
@@ -207,7 +181,7 @@ def test_empty_corpus_is_an_error(tmp_path: Path) -> None:
 
 
 def test_non_utf8_files_are_skipped_with_a_warning(tmp_path: Path) -> None:
-    _copy_modules(tmp_path / "c", SAMPLE_MODULES[:3])
+    copy_modules(tmp_path / "c", MODULES[:3])
     (tmp_path / "c" / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
     with pytest.warns(DataWarning, match=r"latin1\.txt: not UTF-8"):
         corpus = resolve_corpus(str(tmp_path / "c"))

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,8 @@ from prefect import flow
 from prefect.testing.utilities import prefect_test_harness
 from tokenizers import Tokenizer
 
+from stdlib_corpus import MODULES as STDLIB_MODULES
+from stdlib_corpus import STDLIB, copy_modules
 from tasks.data.corpus import DataError, resolve_corpus
 from tasks.data.packed import token_dtype
 from tasks.dataset import build_dataset, build_dataset_task, dataset_fingerprint
@@ -22,26 +24,12 @@ from tasks.home import PROJECT_ROOT
 from tasks.refs import DatasetRef, TokenizerRef
 from tasks.tokenize import train_tokenizer, train_tokenizer_task
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = [
-    "textwrap.py",
-    "string.py",
-    "shlex.py",
-    "fnmatch.py",
-    "bisect.py",
-    "keyword.py",
-    "glob.py",
-    "colorsys.py",
-    "heapq.py",
-    "copy.py",
-]
+MODULES = STDLIB_MODULES[:10]
 SEQ_LEN = 32
 
 
-def _corpus(root: Path, names: list[str] = MODULES) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        (root / name).write_bytes((STDLIB / name).read_bytes())
+def _corpus(root: Path, names: Sequence[str] = MODULES) -> Path:
+    copy_modules(root, names)
     return root
 
 

@@ -4,6 +4,7 @@ accumulation stays exact, and a dataset without EOS is refused before any work."
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 from model import get_preset, load_pretrained
+from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from synthetic import model_ref as build_model_ref
-from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainingError, TrainSettings, fit, read_metrics
+from tasks.training import TrainingError, fit, read_metrics
 from tasks.training.engine import validate_inputs
 from tasks.training.loss import LossHead, token_loss_sum
 
@@ -44,12 +45,7 @@ def model_ref() -> ModelRef:
     return build_model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ), seed=0)
 
 
-def settings(**overrides: object) -> TrainSettings:
-    base: dict[str, object] = dict(
-        micro_batch_size=2, accumulate_steps=4, max_steps=3, lr=3e-3, compile=False, dtype="fp32"
-    )
-    base.update(overrides)
-    return TrainSettings(**base)  # type: ignore[arg-type]
+settings = partial(eager_settings, max_steps=3)
 
 
 def test_loss_of_a_packed_block_is_the_sum_of_its_documents_scored_alone(model_ref: ModelRef) -> None:

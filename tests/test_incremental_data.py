@@ -4,26 +4,22 @@ tests/test_continue_flow.py. The timing goal (<= 5% of the cold data stage) is b
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from stdlib_corpus import copy_modules
 from tasks.data import tokens
 from tasks.dataset import build_dataset, plan_tokenization
 from tasks.tokenize import train_tokenizer
 
-STDLIB = Path(os.__file__).parent
 FILES = ["textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py", "heapq.py", "keyword.py"]
 SEQ_LEN = 32
 
 
 def _corpus(root: Path, names: list[str]) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        shutil.copyfile(STDLIB / name, root / name)
+    copy_modules(root, names)
     return root
 
 

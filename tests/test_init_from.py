@@ -8,14 +8,12 @@ for a downloaded checkpoint; registry versions are logged to a real SQLite MLflo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from huggingface_hub import constants as hf_constants
-from registry_world import sqlite_store
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -23,6 +21,8 @@ from flows.data import tokenizer_for
 from flows.pretrain_config import PretrainConfig
 from hf_checkpoint import BOS, COMMIT, EOS, put_in_hf_cache, save_hf_llama
 from model import LlamaForPretraining, get_preset, load_pretrained, save_weights
+from registry_world import sqlite_store
+from stdlib_corpus import STDLIB
 from tasks.build import build_model
 from tasks.init_from import InitFromError, resolve_for_run, resolve_init_from
 from tasks.init_from.parent_cache import weights_sha256
@@ -85,7 +85,7 @@ def test_local_checkpoint_safetensors_file_and_run_directory(tmp_path: Path) -> 
     step.mkdir(parents=True)
     save_weights(model, step / "model.safetensors")
     (step / "config.json").write_text(json.dumps(model.config.to_dict()))
-    tokenizer = train_tokenizer(str(Path(os.__file__).parent / "textwrap.py"), 384)
+    tokenizer = train_tokenizer(str(STDLIB / "textwrap.py"), 384)
     (run_dir / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
 
     from_dir = resolve_init_from(str(step))
@@ -133,7 +133,7 @@ def _register(client, uri: str, name: str, seed: int, tokenizer, root: Path) -> 
 
 
 def test_registry_sources_and_an_alias_pinned_once_per_run(tmp_path: Path) -> None:
-    tokenizer = train_tokenizer(str(Path(os.__file__).parent / "shlex.py"), 384)
+    tokenizer = train_tokenizer(str(STDLIB / "shlex.py"), 384)
     with sqlite_store(tmp_path) as uri:
         client = store.get_client(uri)
         v1, sha1, _ = _register(client, uri, "lineage-src", 1, tokenizer, tmp_path)
@@ -198,6 +198,6 @@ def test_the_tokenizer_must_fit_the_embedding_or_grow_it_explicitly(hf_dir: Path
         assert torch.equal(grown[name][:320], before[name])
         torch.testing.assert_close(grown[name][320:], before[name].mean(0).expand(3, -1))
 
-    renumbered = train_tokenizer(str(Path(os.__file__).parent / "shlex.py"), 300)
+    renumbered = train_tokenizer(str(STDLIB / "shlex.py"), 300)
     with pytest.raises(InitFromError, match="does not extend the one that came with init_from"):
         tokenizer_for(_config(str(hf_dir), tokenizer=renumbered.path), parent)

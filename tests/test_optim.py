@@ -4,6 +4,7 @@ state dicts, and Muon through the engine (exact accumulation, bit-for-bit resume
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,8 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from model import LlamaForPretraining, get_preset
+from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from synthetic import model_ref as build_model_ref
-from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainSettings, fit, lr_at, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs
@@ -144,22 +145,9 @@ def model_ref() -> ModelRef:
     return build_model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ), seed=0)
 
 
-def muon_settings(**overrides: object) -> TrainSettings:
-    base: dict[str, object] = dict(
-        optimizer="muon",
-        micro_batch_size=2,
-        accumulate_steps=4,
-        epochs=2.0,
-        lr=3e-3,
-        embed_lr=1e-2,
-        muon_lr=0.04,
-        warmup_steps=2,
-        compile=False,
-        dtype="fp32",
-        device="cpu",
-    )
-    base.update(overrides)
-    return TrainSettings(**base)  # type: ignore[arg-type]
+muon_settings = partial(
+    eager_settings, optimizer="muon", epochs=2.0, embed_lr=1e-2, muon_lr=0.04, warmup_steps=2, device="cpu"
+)
 
 
 def weights(path: str) -> dict[str, torch.Tensor]:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from registry_world import corpus, stdlib_text
 
 from flows.services.processes import free_port, wait_http
 from prefect_server import PREFECT_CLI, start, stop_process_tree, tail, wait_healthy
+from registry_world import corpus, stdlib_text
 from tasks.training.metrics import METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.e2e

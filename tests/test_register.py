@@ -17,6 +17,9 @@ import pytest
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
+from tokenizers import Tokenizer
+
+from model import LlamaForPretraining, load_pretrained
 from registry_world import (
     EOS_ID,
     PAD_ID,
@@ -30,9 +33,6 @@ from registry_world import (
     score,
 )
 from registry_world import sqlite_store as sqlite_store_at
-from tokenizers import Tokenizer
-
-from model import LlamaForPretraining, load_pretrained
 from tasks import register
 from tasks.lookup import load_model, parse_model_uri
 from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel

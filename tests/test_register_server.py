@@ -18,9 +18,9 @@ import mlflow
 import pytest
 import torch
 import yaml
-from registry_world import SEQ_LEN, World, build_world, mlmodel_absolute_paths, one_thread, score, tiny_config
 
 from model import load_pretrained
+from registry_world import SEQ_LEN, World, build_world, mlmodel_absolute_paths, one_thread, score, tiny_config
 from tasks import register
 from tasks.lookup import load_model
 from tasks.tracking import store as tracking_store

@@ -19,10 +19,10 @@ import psutil
 import pytest
 import yaml
 from optuna.trial import TrialState
-from registry_world import corpus, stdlib_text
 
 from flows.sweep.study import open_storage
 from prefect_server import prefect_server, tail
+from registry_world import corpus, stdlib_text
 from tasks.tracking import store
 
 pytestmark = pytest.mark.e2e

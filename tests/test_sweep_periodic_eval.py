@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from registry_world import corpus, one_thread, stdlib_text, tiny_config
 from safetensors.torch import load_file
 
 from model import load_pretrained
+from registry_world import corpus, one_thread, stdlib_text, tiny_config
 from synthetic import model_ref as build_model_ref
 from tasks.dataset import build_dataset
 from tasks.refs import DatasetRef, ModelRef, TokenizerRef

@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import tasks.home
+from stdlib_corpus import STDLIB, copy_modules
 from tasks.data.corpus import DataError, resolve_corpus
 from tasks.tokenize import check_vocab_fits, import_tokenizer, train_tokenizer
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = [
-    "textwrap.py",
-    "string.py",
-    "shlex.py",
-    "fnmatch.py",
-    "bisect.py",
-    "keyword.py",
-    "glob.py",
-    "colorsys.py",
-    "heapq.py",
-    "copy.py",
-    "struct.py",
-    "this.py",
-]
 VOCAB = 400
 
 
@@ -35,9 +20,7 @@ VOCAB = 400
 def corpus_dir(tmp_path: Path) -> Path:
     """Real Python source; train files repeat ' blorpwidget', validation files ' zqxvmoop'."""
     root = tmp_path / "corpus"
-    root.mkdir()
-    for name in MODULES:
-        (root / name).write_bytes((STDLIB / name).read_bytes())
+    copy_modules(root)
     corpus = resolve_corpus(str(root), val_fraction=0.2)
     for part in corpus.train.parts:
         Path(part.file.path).write_text(Path(part.file.path).read_text() + " blorpwidget" * 300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,8 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from model import LlamaConfig, LlamaForPretraining, get_preset, load_weights
+from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from synthetic import model_ref as build_model_ref
-from synthetic import pattern_blocks, write_packed_dataset
 from tasks.data.packed import open_blocks
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit, lr_at, read_metrics
@@ -55,18 +56,7 @@ def model_ref() -> ModelRef:
     return build_model_ref(tiny_config(), seed=0)
 
 
-def settings(**overrides: object) -> TrainSettings:
-    base: dict[str, object] = dict(
-        micro_batch_size=2,
-        accumulate_steps=4,
-        epochs=2.0,
-        lr=3e-3,
-        warmup_steps=2,
-        compile=False,
-        dtype="fp32",
-    )
-    base.update(overrides)
-    return TrainSettings(**base)  # type: ignore[arg-type]
+settings = partial(eager_settings, epochs=2.0, warmup_steps=2)
 
 
 def final_weights(ref_path: str) -> dict[str, torch.Tensor]:

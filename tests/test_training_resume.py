@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from model import get_preset
+from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from synthetic import model_ref as build_model_ref
-from synthetic import pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem, sha256_file
@@ -51,20 +52,8 @@ def model_ref() -> ModelRef:
     return build_model_ref(get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ), seed=0)
 
 
-def settings(**overrides: object) -> TrainSettings:
-    # 2 epochs of 29 blocks, global batch 8: 8 optimizer steps of 8 blocks, the 4th and 8th across an epoch's end.
-    base: dict[str, object] = dict(
-        micro_batch_size=2,
-        accumulate_steps=4,
-        epochs=2.0,
-        lr=3e-3,
-        warmup_steps=2,
-        checkpoint_every=2,
-        compile=False,
-        dtype="fp32",
-    )
-    base.update(overrides)
-    return TrainSettings(**base)  # type: ignore[arg-type]
+# 2 epochs of 29 blocks, global batch 8: 8 optimizer steps of 8 blocks, the 4th and 8th across an epoch's end.
+settings = partial(eager_settings, epochs=2.0, warmup_steps=2, checkpoint_every=2)
 
 
 def stop_after(steps: int):
