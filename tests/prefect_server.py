@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,13 +17,24 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.services.processes import free_port, stop_tree
 
 PREFECT_CLI = str(Path(sys.executable).with_name("prefect"))
 REPO = Path(__file__).resolve().parents[1]
+POOL = "gpu-pool"  # prefect.yaml's work pool
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # The pretrain config of a deployed test run. Orchestration is under test there, not speed: the tiny model,
 # small eager steps (test_pipeline_e2e.py covers torch.compile), and enough steps and checkpoints for a crash
@@ -214,8 +226,6 @@ def prefect_worker(
 
 def wait_for_flow_run(flow_run_id: UUID, timeout_s: float, worker_log: Path | None = None):  # noqa: ANN201
     """Poll the API until the flow run reaches a final state; returns the FlowRun."""
-    from prefect.client.orchestration import get_client
-
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
@@ -227,3 +237,72 @@ def wait_for_flow_run(flow_run_id: UUID, timeout_s: float, worker_log: Path | No
                 logs = tail(worker_log) if worker_log else ""
                 raise TimeoutError(f"flow run {flow_run_id} still {state} after {timeout_s:.0f} s\n{logs}")
             time.sleep(1.0)
+
+
+@dataclass
+class PoolServer:
+    api_url: str
+    env: dict[str, str]  # for `prefect` commands and workers: this server's API, the MLflow store below
+    tracking_uri: str
+
+
+@contextlib.contextmanager
+def pool_server(
+    root: Path, extra_env: Mapping[str, str] | None = None, *, health_timeout_s: float = 240.0
+) -> Iterator[PoolServer]:
+    """A Prefect server with the process work pool POOL and an MLflow store under `root`; this process's
+    Prefect client points at it while it lasts. Deploy (`deploy_from_checkout`) and start workers inside."""
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    base_env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        # How soon the server cancels subflows of a cancelled run (default 20 s).
+        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
+        # How often a worker asks for scheduled runs (default 10 s): each run waits for one poll.
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        **(extra_env or {}),
+    }
+    with prefect_server(root / "prefect", base_env, health_timeout_s=health_timeout_s) as (api_url, env):
+        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            yield PoolServer(api_url, env, tracking_uri)
+
+
+def deploy_from_checkout(root: Path, env: Mapping[str, str], *names: str) -> None:
+    """`prefect deploy` of prefect.yaml's deployments NAMES (all when none are named), run from this checkout."""
+    which = [arg for name in names for arg in ("--name", name)] or ["--all"]
+    prefect(
+        ["--no-prompt", "deploy", *which, "--prefect-file", str(shared_checkout_prefect_file(root))],
+        env,
+        REPO,
+    )
+
+
+def idle_train_deployment(env: Mapping[str, str]) -> UUID:
+    """`remote-train/idle`: the train flow deployed on a pool no worker serves (its runs never start)."""
+    prefect(["work-pool", "create", "idle-pool", "--type", "process"], env, REPO)
+    with get_client(sync_client=True) as client:
+        gpu = client.read_deployment_by_name("remote-train/gpu")
+        return client.create_deployment(
+            flow_id=gpu.flow_id,
+            name="idle",
+            work_pool_name="idle-pool",
+            entrypoint=gpu.entrypoint,
+            pull_steps=gpu.pull_steps,
+            parameter_openapi_schema=gpu.parameter_openapi_schema,
+        )
+
+
+def child_flow_runs(flow_run_id: UUID) -> list:
+    """The flow runs started under `flow_run_id` (its subflows and the deployment runs it started), oldest first."""
+    parent = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        return sorted(client.read_flow_runs(flow_run_filter=parent), key=lambda r: r.created)
+
+
+def flow_run_logs(flow_run_id: UUID) -> list[str]:
+    """The messages a flow run logged to the API."""
+    with get_client(sync_client=True) as client:
+        return [
+            r.message for r in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        ]

@@ -10,25 +10,16 @@ config (preset, init_from) and only makes it short and points it at a small corp
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from model import LlamaForPretraining, get_preset, save_weights
-from prefect_server import (
-    prefect,
-    prefect_server,
-    prefect_worker,
-    shared_checkout_prefect_file,
-    tail,
-    wait_for_flow_run,
-)
+from prefect_server import POOL, deploy_from_checkout, pool_server, prefect_worker, tail, wait_for_flow_run
+from stdlib_corpus import copy_modules
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
@@ -37,7 +28,6 @@ from tasks.tracking import store
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
-POOL = "gpu-pool"
 NAME = "llamaflow-demo"  # the deployment's init_from: models:/llamaflow-demo@champion
 SHORT = {
     "max_steps": 3,
@@ -57,23 +47,12 @@ SHORT = {
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
     """(tracking URI, worker log, corpus): server, pool, prefect.yaml's deployments, one process worker."""
     root = tmp_path_factory.mktemp("continue-stack")
-    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
     corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py"):
-        shutil.copyfile(Path(os.__file__).parent / name, corpus / name)
-    base_env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PREFECT_WORKER_QUERY_SECONDS": "2"}
-    with prefect_server(root / "prefect", base_env) as (api_url, env):
-        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
-        deployments = shared_checkout_prefect_file(root)
-        prefect(
-            ["--no-prompt", "deploy", "--name", "continue", "--prefect-file", str(deployments)], env, REPO
-        )
-        with (
-            prefect_worker(POOL, env, root, root / "worker.log"),
-            temporary_settings(updates={PREFECT_API_URL: api_url}),
-        ):
-            yield tracking_uri, root / "worker.log", corpus
+    copy_modules(corpus, ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py"))
+    with pool_server(root) as server:
+        deploy_from_checkout(root, server.env, "continue")
+        with prefect_worker(POOL, server.env, root, root / "worker.log"):
+            yield server.tracking_uri, root / "worker.log", corpus
 
 
 def _first_champion(uri: str, corpus: Path, root: Path) -> str:

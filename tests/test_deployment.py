@@ -42,14 +42,18 @@ from flows.pool.placement import PlacementError, check_placement, train_on_deplo
 from flows.pool.remote_train import RESULT_FILE, SharedStorageError, read_result, remote_train, write_result
 from flows.pretrain_config import PretrainConfig
 from prefect_server import (
+    POOL,
     TINY_RUN,
+    child_flow_runs,
+    deploy_from_checkout,
     deployment_run_cli,
+    flow_run_logs,
     git,
+    idle_train_deployment,
+    pool_server,
     prefect,
-    prefect_server,
     prefect_worker,
     publish_snapshot,
-    shared_checkout_prefect_file,
     tail,
     wait_for_flow_run,
 )
@@ -57,7 +61,6 @@ from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
-POOL = "gpu-pool"
 RUN_TIMEOUT_S = 300
 
 
@@ -83,31 +86,12 @@ class Shipped:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("prefect-stack")
-    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
-    base_env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": tracking_uri,
-        "LLAMAFLOW_HOME": os.environ["LLAMAFLOW_HOME"],
-        "LLAMAFLOW_MLRUNS": os.environ["LLAMAFLOW_MLRUNS"],
-        # How soon the server cancels subflows of a cancelled run (default 20 s).
-        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
-        # How often the worker asks for scheduled runs (default 10 s): each run here waits for one poll.
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-    }
-    with prefect_server(root / "prefect", base_env) as (api_url, env):
-        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
-        shipped = _deploy_as_shipped(root, env, api_url)
-        prefect(
-            ["--no-prompt", "deploy", "--all", "--prefect-file", str(shared_checkout_prefect_file(root))],
-            env,
-            REPO,
-        )
+    with pool_server(root) as server:
+        shipped = _deploy_as_shipped(root, server.env, server.api_url)
+        deploy_from_checkout(root, server.env)
         worker_log = root / "worker.log"
-        with (
-            prefect_worker(POOL, env, root, worker_log),
-            temporary_settings(updates={PREFECT_API_URL: api_url}),
-        ):
-            yield Stack(api_url, env, worker_log, tracking_uri, shipped)
+        with prefect_worker(POOL, server.env, root, worker_log):
+            yield Stack(server.api_url, server.env, worker_log, server.tracking_uri, shipped)
 
 
 def _deploy_as_shipped(root: Path, env: dict[str, str], api_url: str) -> Shipped:
@@ -347,10 +331,7 @@ def test_cancelling_a_run_stops_training_at_a_checkpoint_and_does_not_retry(stac
     # SIGTERM made training stop after its step with a checkpoint; the retry policy did not restart it.
     (train,) = [t for t in _task_runs(run.id) if _task_name(t) == "train"]
     assert train.run_count == 1
-    with get_client(sync_client=True) as client:
-        logs = [
-            log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        ]
+    logs = flow_run_logs(run.id)
     stops = [m for m in logs if "training stopped by SIGTERM after step" in m]
     assert stops and not any("resuming from checkpoint" in m for m in logs)
     step = int(stops[0].split("after step ")[1].split(";")[0])
@@ -383,19 +364,12 @@ def test_cancelling_a_split_placement_run_cancels_its_training_subflow(stack: St
     prefect(["flow-run", "cancel", str(run.id)], stack.env, REPO)
     run = wait_for_flow_run(run.id, 120, stack.worker_log)
     assert run.state.name == "Cancelled", _explain(run, stack)
-    with get_client(sync_client=True) as client:
-        (child,) = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
-        )
+    (child,) = child_flow_runs(run.id)
     child = wait_for_flow_run(child.id, 120, stack.worker_log)
     assert child.state.name == "Cancelled", _explain(child, stack)
     (train,) = [t for t in _task_runs(child.id) if _task_name(t) == "train"]
     assert train.run_count == 1 and train.state.is_failed()
-    with get_client(sync_client=True) as client:
-        logs = [
-            log.message
-            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id])))
-        ]
+    logs = flow_run_logs(child.id)
     assert any("training stopped by SIGTERM after step" in m for m in logs)
     assert _mlflow_status(stack, run.id) == "KILLED"  # the pretrain run's, which the subflow trained in
 
@@ -412,22 +386,8 @@ def test_check_placement_names_a_missing_train_deployment(stack: Stack) -> None:
         )
 
 
-@pytest.mark.e2e
-def test_a_training_run_that_does_not_end_in_time_is_cancelled_and_fails_the_wait(
-    stack: Stack, tmp_path: Path
-) -> None:
-    # The train flow deployed on a pool that no worker serves: its run never starts.
-    prefect(["work-pool", "create", "idle-pool", "--type", "process"], stack.env, REPO)
-    with get_client(sync_client=True) as client:
-        gpu = client.read_deployment_by_name("remote-train/gpu")
-        idle = client.create_deployment(
-            flow_id=gpu.flow_id,
-            name="idle",
-            work_pool_name="idle-pool",
-            entrypoint=gpu.entrypoint,
-            pull_steps=gpu.pull_steps,
-            parameter_openapi_schema=gpu.parameter_openapi_schema,
-        )
+def _inputs_nowhere(tmp_path: Path) -> tuple[ModelRef, DatasetRef]:
+    """References to a model and a dataset whose files do not exist (under `tmp_path`)."""
     model = ModelRef(path=str(tmp_path / "model"), fingerprint="m", n_params=1)
     dataset = DatasetRef(
         path=str(tmp_path / "data"),
@@ -439,6 +399,15 @@ def test_a_training_run_that_does_not_end_in_time_is_cancelled_and_fails_the_wai
         train_tokens=64,
         val_tokens=64,
     )
+    return model, dataset
+
+
+@pytest.mark.e2e
+def test_a_training_run_that_does_not_end_in_time_is_cancelled_and_fails_the_wait(
+    stack: Stack, tmp_path: Path
+) -> None:
+    idle = idle_train_deployment(stack.env)  # its run never starts
+    model, dataset = _inputs_nowhere(tmp_path)
     with pytest.raises(PlacementError, match=r"did not end within 3 s \(Scheduled\); it was cancelled"):
         train_on_deployment(
             "remote-train/idle",
@@ -477,17 +446,7 @@ def test_checkpoint_ref_round_trips_through_the_checkpoint_dir(tmp_path: Path) -
 
 def test_train_flow_refuses_inputs_it_cannot_see_before_any_work(tmp_path: Path) -> None:
     """The train deployment on another machine: missing shared paths or bad settings fail in its first second."""
-    model = ModelRef(path=str(tmp_path / "model"), fingerprint="m", n_params=1)
-    dataset = DatasetRef(
-        path=str(tmp_path / "data"),
-        fingerprint="d",
-        seq_len=64,
-        vocab_size=2048,
-        train_blocks=1,
-        val_blocks=1,
-        train_tokens=64,
-        val_tokens=64,
-    )
+    model, dataset = _inputs_nowhere(tmp_path)
     settings, run_dir = TrainSettings(micro_batch_size=4), str(tmp_path / "ckpt")
     with pytest.raises(SharedStorageError, match=r"model, .*data not found on this worker.*LLAMAFLOW_HOME"):
         remote_train.fn(model, dataset, settings, run_dir)

@@ -10,7 +10,6 @@ worker SIGKILLed), starts both nodes again, resumes from the newest checkpoint, 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,12 +26,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterId,
-    FlowRunFilter,
-    FlowRunFilterParentFlowRunId,
-    LogFilter,
-    LogFilterFlowRunId,
 )
-from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelled, Running
 
 from flows.pool import nodes
@@ -41,21 +35,23 @@ from flows.pretrain_config import PretrainConfig
 from flows.services.processes import free_port
 from model import get_preset
 from prefect_server import (
+    POOL,
     TINY_RUN,
-    prefect,
-    prefect_server,
+    child_flow_runs,
+    deploy_from_checkout,
+    flow_run_logs,
+    idle_train_deployment,
+    pool_server,
     prefect_worker,
-    shared_checkout_prefect_file,
     tail,
 )
+from stdlib_corpus import STDLIB
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit
 from tasks.training.faults import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[1]
-STDLIB = Path(json.__file__).resolve().parents[1]
-POOL = "gpu-pool"
 VOCAB = 96
 SEQ = 16
 
@@ -110,52 +106,26 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     root = tmp_path_factory.mktemp("multinode")
-    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
-    base_env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": tracking_uri,
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
-    }
-    # A loaded machine (shared CI hosts) can take over a minute to start a server on a new database.
-    with prefect_server(root / "prefect", base_env, health_timeout_s=240) as (api_url, env):
-        prefect(["work-pool", "create", POOL, "--type", "process"], env, REPO)
-        deployments = shared_checkout_prefect_file(root)
-        prefect(["--no-prompt", "deploy", "--name", "gpu", "--prefect-file", str(deployments)], env, REPO)
+    with pool_server(root, {"PREFECT_WORKER_QUERY_SECONDS": "1"}) as server:
+        deploy_from_checkout(root, server.env, "gpu")
         # Every node run loses its node at step 3 the first time (a marker in the run directory).
-        worker_env = {**env, ENV_VAR: "kill_node_at_step=3"}
+        worker_env = {**server.env, ENV_VAR: "kill_node_at_step=3"}
         logs = []
-        with temporary_settings(updates={PREFECT_API_URL: api_url}):
-            workers = []
-            for name in ("machine-a", "machine-b"):
-                (root / name).mkdir()
-                logs.append(root / name / "worker.log")
-                workers.append(
-                    prefect_worker(
-                        POOL,
-                        {**worker_env, "PREFECT_HOME": str(root / name / "prefect")},
-                        root / name,
-                        logs[-1],
-                        limit=1,
-                    )
+        workers = []
+        for name in ("machine-a", "machine-b"):
+            (root / name).mkdir()
+            logs.append(root / name / "worker.log")
+            workers.append(
+                prefect_worker(
+                    POOL,
+                    {**worker_env, "PREFECT_HOME": str(root / name / "prefect")},
+                    root / name,
+                    logs[-1],
+                    limit=1,
                 )
-            with workers[0], workers[1]:
-                yield Pool(env, logs, tracking_uri)
-
-
-def _children(flow_run_id: uuid.UUID) -> list:
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
-        )
-    return sorted(runs, key=lambda r: r.created)
-
-
-def _logs(flow_run_id: uuid.UUID) -> list[str]:
-    with get_client(sync_client=True) as client:
-        return [
-            r.message for r in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        ]
+            )
+        with workers[0], workers[1]:
+            yield Pool(server.env, logs, server.tracking_uri)
 
 
 @pytest.mark.e2e
@@ -186,7 +156,7 @@ def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
         raise
 
     assert result.checkpoint.step == 6 and result.registered.version == "1"
-    children = _children(uuid.UUID(Path(result.checkpoint.run_dir).name))
+    children = child_flow_runs(uuid.UUID(Path(result.checkpoint.run_dir).name))
     states = [r.state.type.value for r in children]
     # Two tries of two node runs: the first lost a node (one failed, the other failed or was cancelled),
     # the second completed; each try ran on both machines at once.
@@ -199,7 +169,7 @@ def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
 
     run_dir = Path(result.checkpoint.run_dir)
     assert (run_dir / ".fault-kill_node_at_step-3").exists()
-    pretrain_logs = _logs(uuid.UUID(run_dir.name))
+    pretrain_logs = flow_run_logs(uuid.UUID(run_dir.name))
     assert any(
         "the 2-node training failed: node" in m and "starting the 2 nodes again" in m for m in pretrain_logs
     )
@@ -217,17 +187,7 @@ def test_two_nodes_on_the_pool_lose_a_node_start_again_resume_and_register(
 
 @pytest.mark.e2e
 def test_node_runs_that_do_not_end_in_time_are_all_cancelled(pool: Pool, tmp_path: Path) -> None:
-    prefect(["work-pool", "create", "idle-pool", "--type", "process"], pool.env, REPO)
-    with get_client(sync_client=True) as client:
-        gpu = client.read_deployment_by_name("remote-train/gpu")
-        idle = client.create_deployment(
-            flow_id=gpu.flow_id,
-            name="idle",
-            work_pool_name="idle-pool",
-            entrypoint=gpu.entrypoint,
-            pull_steps=gpu.pull_steps,
-            parameter_openapi_schema=gpu.parameter_openapi_schema,
-        )
+    idle = idle_train_deployment(pool.env)
     model, dataset = _tiny_inputs(tmp_path)
     settings = TrainSettings(micro_batch_size=2, nnodes=2, stop_grace_s=1)
     with pytest.raises(PlacementError, match=r"2-node training did not end in time.*node 0 .*never started"):
