@@ -1,8 +1,8 @@
 """evaluate: bits per byte of the validation text (and loss per token), xz's bits per byte on the same
 bytes, and a few generated samples.
 
-The validation text and how a model is scored on it are `tasks.scoring`'s (the engine's periodic score
-uses the same). `rescore` scores a model with another tokenizer on the same text, so models with different
+The validation text is `tasks.scoring`'s, how a model is scored on it the engine's loss
+(`tasks.training.loss`); the engine's periodic score uses the same. `rescore` scores a model with another tokenizer on the same text, so models with different
 vocabularies compare.
 """
 
@@ -18,16 +18,10 @@ from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, generate, load_pretrained
 from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
-from tasks.scoring import (
-    ScoringError,
-    ValidationText,
-    score_text,
-    stream_loss,
-    validation_text,
-    xz_bits_per_byte,
-)
+from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
+from tasks.training.loss import score_text, stream_loss
 from tasks.training.precision import resolve_dtype
 
 SAMPLE_PROMPTS = ("def ", "class ", "import ", "    for i in range(", "if __name__ ==", "    return ")

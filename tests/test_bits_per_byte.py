@@ -83,11 +83,11 @@ def _reference_loss_sum(checkpoint: CheckpointRef, tokens: np.ndarray, context_i
 def test_bits_per_byte_is_the_summed_loss_over_the_exact_bytes_of_the_scored_text(
     bpb_world: tuple, chunk_rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tasks.scoring
+    import tasks.training.loss
 
     tokenizer, dataset, checkpoint, val_text = bpb_world
     if chunk_rows is not None:
-        monkeypatch.setattr(tasks.scoring, "LOSS_CHUNK_ELEMENTS", chunk_rows * 300)
+        monkeypatch.setattr(tasks.training.loss, "LOSS_CHUNK_ELEMENTS", chunk_rows * 300)
     stream = _stream(dataset, tokenizer.pad_id)
     result = evaluate(
         checkpoint, dataset, tokenizer, max_blocks=None, num_samples=0, device="cpu", dtype="fp32"

@@ -14,10 +14,11 @@ from registry_world import corpus, one_thread, stdlib_text, tiny_config
 from synthetic import model_ref as build_model_ref
 from tasks.dataset import build_dataset
 from tasks.refs import DatasetRef, ModelRef, TokenizerRef
-from tasks.scoring import score_text, validation_text
+from tasks.scoring import validation_text
 from tasks.tokenize import train_tokenizer
 from tasks.training import TrainSettings, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs
+from tasks.training.loss import score_text
 from tasks.training.periodic_eval import BITS_PER_BYTE, LOSS, SECONDS, dataset_tokenizer
 
 VOCAB = 320

@@ -1,9 +1,9 @@
 """Validation bits per byte during training: a fixed subset of held-out blocks, every `eval_every` steps.
 
-The score is evaluation's own (`tasks.scoring`): the validation text cut to its first `eval_blocks` blocks,
-scored by the same function, on the training module's current weights (eager, eval mode, no gradients). It
-draws no random numbers and touches no parameter or optimizer state, so training runs the same with it
-on or off. Its values join the step's metrics (`val_subset/...`, with the seconds it took), which reach
+The score is evaluation's own: the validation text (`tasks.scoring`) cut to its first `eval_blocks` blocks,
+scored by the same function (`loss.score_text`), on the training module's current weights (eager, eval
+mode, no gradients). It draws no random numbers and touches no parameter or optimizer state, so training
+runs the same with it on or off. Its values join the step's metrics (`val_subset/...`, with the seconds it took), which reach
 `metrics.jsonl` and the metric sink; a sweep prunes on them. The final evaluation still scores
 `eval_max_blocks` (every block by default); the subset's number ranks runs, it is not that number.
 
@@ -20,6 +20,8 @@ from torch import nn
 
 from tasks.data.packed import read_meta
 from tasks.refs import DatasetRef, TokenizerRef
+from tasks.scoring import validation_text
+from tasks.training.loss import score_text
 from tasks.training.settings import TrainSettings
 
 BITS_PER_BYTE = "val_subset/bits_per_byte"
@@ -46,8 +48,6 @@ class PeriodicEval:
     def __init__(
         self, dataset: DatasetRef, *, every: int, blocks: int, device: torch.device, dtype: str
     ) -> None:
-        from tasks.scoring import validation_text  # scoring imports the engine's loss: not at module import
-
         self.every = every
         self.seq_len = dataset.seq_len
         self.device = device
@@ -72,8 +72,6 @@ class PeriodicEval:
         """`model` is the plain module being trained (not the compiled or wrapped one)."""
         if step % self.every:
             return {}
-        from tasks.scoring import score_text
-
         started = time.perf_counter()
         loss, bits_per_byte = score_text(
             model, self.text, seq_len=self.seq_len, device=self.device, dtype=self.dtype
