@@ -10,6 +10,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from tasks.training.loop import TrainLoop, checkpoint_ref
 from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
 from tasks.training.optimizer_state import load_optimizer_state
-from tasks.training.parallelize import parallelize
+from tasks.training.parallelize import Parallel, parallelize
 from tasks.training.periodic_eval import PeriodicEval
 from tasks.training.precision import resolve_dtype
 from tasks.training.resume import RunShape, check_resume, find_resume
@@ -107,6 +108,113 @@ def validate_inputs(
     return config, meta
 
 
+@dataclass(frozen=True)
+class _RunPlan:
+    blocks: np.ndarray  # the train split's packed blocks
+    shape: RunShape
+    length: str  # the run's length in words, for metrics and warnings
+
+    @property
+    def total_steps(self) -> int:
+        return self.shape.total_steps
+
+
+def _settle_device(settings: TrainSettings, dist: DistContext) -> tuple[torch.device, TrainSettings]:
+    """The rank's device, and the settings with the run's precision concrete (bf16 or fp32), as its
+    checkpoints and metrics record it."""
+    device = resolve_device(settings.device, dist.local_rank)
+    settings = settings.model_copy(update={"dtype": resolve_dtype(device, settings.dtype)})
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the first NCCL collective (the resume broadcast)
+    return device, settings
+
+
+def _open_run_dir(run_dir: str | Path, dist: DistContext) -> Path:
+    run_dir = Path(run_dir).resolve()
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return run_dir
+
+
+def _plan_run(
+    dataset_ref: DatasetRef, meta: dict[str, Any], settings: TrainSettings, dist: DistContext
+) -> _RunPlan:
+    blocks = open_blocks(dataset_ref.path, "train")
+    total_steps = total_optimizer_steps(
+        len(blocks),
+        settings.micro_batch_size,
+        settings.accumulate_steps,
+        dist.world_size,
+        settings.epochs,
+        settings.max_steps,
+    )
+    shape = RunShape(
+        total_steps=total_steps,
+        micro_batch_size=settings.micro_batch_size,
+        accumulate_steps=settings.accumulate_steps,
+        world_size=dist.world_size,
+        dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
+    )
+    length = describe_run_length(
+        total_steps,
+        max_steps=settings.max_steps,
+        epochs=settings.epochs,
+        n_blocks=len(blocks),
+        global_batch=shape.global_batch,
+    )
+    if settings.warmup_steps > total_steps:
+        warnings.warn(
+            f"warmup_steps={settings.warmup_steps} is longer than the run ({length}): the learning rate "
+            "never reaches its peak",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _RunPlan(blocks=blocks, shape=shape, length=length)
+
+
+def _resume_point(
+    run_dir: Path, settings: TrainSettings, plan: _RunPlan, config: LlamaConfig, dist: DistContext
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint this run resumes from and its trainer state, checked against the run (or none)."""
+    resume = find_resume(run_dir, dist)
+    if resume is None:
+        return None, None
+    state = ckpt.load_trainer_state(resume)
+    check_resume(resume, state, settings, plan.shape, config)
+    if dist.is_main:
+        print(
+            f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{plan.total_steps}",
+            flush=True,
+        )
+        JsonlMetrics(run_dir).log_event(resumed_from=str(resume), step=int(state["step"]))
+    return resume, state
+
+
+def _restore_state(
+    resume: Path,
+    state: dict[str, Any],
+    parallel: Parallel,
+    optimizer: torch.optim.Optimizer,
+    loader: BlockLoader,
+    dist: DistContext,
+    device: torch.device,
+) -> tuple[int, int]:
+    """Optimizer, loader and this rank's generators as the checkpoint left them: (step, tokens seen)."""
+    load_optimizer_state(resume, parallel.plain, optimizer, sharded=parallel.mode == "fsdp")
+    loader.load_state_dict(state["loader"])
+    rng_state = ckpt.load_rng_state(resume, dist.rank)
+    if rng_state is not None:
+        ckpt.restore_rng_state(rng_state, device)
+    else:
+        print(
+            f"[llamaflow] rank {dist.rank}: {resume} holds no RNG state of this rank (written by fewer "
+            "ranks); it continues with fresh generators from the seed",
+            flush=True,
+        )
+    return state["step"], state["tokens_seen"]
+
+
 @_restores_backend_flags
 def run_process(
     model_ref: ModelRef,
@@ -121,60 +229,12 @@ def run_process(
 ) -> CheckpointRef:
     dist = dist or DistContext()
     config, meta = validate_inputs(model_ref, dataset_ref, settings)
-    device = resolve_device(settings.device, dist.local_rank)
-    # From here on the run's precision is concrete (bf16 or fp32), as its checkpoints and metrics record it.
-    settings = settings.model_copy(update={"dtype": resolve_dtype(device, settings.dtype)})
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the first NCCL collective (the resume broadcast)
-    run_dir = Path(run_dir).resolve()
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    blocks = open_blocks(dataset_ref.path, "train")
-    total_steps = total_optimizer_steps(
-        len(blocks),
-        settings.micro_batch_size,
-        settings.accumulate_steps,
-        dist.world_size,
-        settings.epochs,
-        settings.max_steps,
-    )
-
-    shape = RunShape(
-        total_steps=total_steps,
-        micro_batch_size=settings.micro_batch_size,
-        accumulate_steps=settings.accumulate_steps,
-        world_size=dist.world_size,
-        dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
-    )
-    run_length = describe_run_length(
-        total_steps,
-        max_steps=settings.max_steps,
-        epochs=settings.epochs,
-        n_blocks=len(blocks),
-        global_batch=shape.global_batch,
-    )
-    if settings.warmup_steps > total_steps:
-        warnings.warn(
-            f"warmup_steps={settings.warmup_steps} is longer than the run ({run_length}): the learning rate "
-            "never reaches its peak",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-    resume = find_resume(run_dir, dist)
-    state: dict[str, Any] | None = None
-    if resume is not None:
-        state = ckpt.load_trainer_state(resume)
-        check_resume(resume, state, settings, shape, config)
-        if dist.is_main:
-            print(
-                f"[llamaflow] resuming from checkpoint {resume} at step {state['step']}/{total_steps}",
-                flush=True,
-            )
-            JsonlMetrics(run_dir).log_event(resumed_from=str(resume), step=int(state["step"]))
-        if state["step"] >= total_steps:
-            return checkpoint_ref(resume, run_dir, state)
+    device, settings = _settle_device(settings, dist)
+    run_dir = _open_run_dir(run_dir, dist)
+    plan = _plan_run(dataset_ref, meta, settings, dist)
+    resume, state = _resume_point(run_dir, settings, plan, config, dist)
+    if resume is not None and state is not None and state["step"] >= plan.total_steps:
+        return checkpoint_ref(resume, run_dir, state)
 
     _configure_backends(device)
     _seed_rank(settings.seed, dist.rank)
@@ -188,7 +248,7 @@ def run_process(
     )
     optimizer = build_optimizer(parallel.plain, settings, device)  # from the parameters as they train
     loader = BlockLoader(
-        blocks,
+        plan.blocks,
         pad_id=meta["pad_id"],
         micro_batch_size=settings.micro_batch_size,
         accumulate_steps=settings.accumulate_steps,
@@ -198,20 +258,8 @@ def run_process(
         device=device,
     )
     step, tokens_seen = 0, 0
-    if state is not None:
-        assert resume is not None
-        load_optimizer_state(resume, parallel.plain, optimizer, sharded=parallel.mode == "fsdp")
-        loader.load_state_dict(state["loader"])
-        rng_state = ckpt.load_rng_state(resume, dist.rank)
-        if rng_state is not None:
-            ckpt.restore_rng_state(rng_state, device)
-        else:
-            print(
-                f"[llamaflow] rank {dist.rank}: {resume} holds no RNG state of this rank (written by fewer "
-                "ranks); it continues with fresh generators from the seed",
-                flush=True,
-            )
-        step, tokens_seen = state["step"], state["tokens_seen"]
+    if resume is not None and state is not None:
+        step, tokens_seen = _restore_state(resume, state, parallel, optimizer, loader, dist, device)
 
     loop = TrainLoop(
         parallel=parallel,
@@ -221,7 +269,7 @@ def run_process(
         dist=dist,
         device=device,
         run_dir=run_dir,
-        total_steps=total_steps,
+        total_steps=plan.total_steps,
         step=step,
         tokens_seen=tokens_seen,
         config=config,
@@ -230,7 +278,7 @@ def run_process(
         progress=progress,
         should_stop=should_stop,
         last_checkpoint=resume,
-        run_facts={**shape.to_dict(), "length": run_length},
+        run_facts={**plan.shape.to_dict(), "length": plan.length},
         periodic_eval=PeriodicEval.from_settings(dataset_ref, settings, device),
     )
     return loop.run()

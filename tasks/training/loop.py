@@ -148,6 +148,33 @@ class TrainLoop:
         step_number = self.step + 1
         self.faults.before_step(step_number)
         batch = self.loader.next_step()
+        lr = self.settings.lr * self._schedule_lr()
+        lrs = self.optimizer.lrs()
+        t0 = time.perf_counter()
+        n_tokens, step_loss = self._accumulate(batch.micro_batches, step_number)
+        grad_norm = self._update(step_number, step_loss)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        step_time, wall_time = now - t0, now - self.wall_mark
+        self.wall_mark = now
+
+        self.step = step_number
+        self.tokens_seen += int(n_tokens)
+        self.last_loss = step_loss
+        metrics = self._step_metrics(lr, lrs, grad_norm, n_tokens, step_time, wall_time)
+        if self.compile_time_s is None:
+            self.compile_time_s = wall_time
+            metrics["train/compile_time_s"] = wall_time
+            # What MFU is relative to: a CPU's peak is measured (and may be re-measured by a later run).
+            metrics["train/peak_flops"] = self.peak_flops
+        else:
+            self.steady_tokens += int(n_tokens)
+            self.steady_time += wall_time
+        return metrics
+
+    def _schedule_lr(self) -> float:
+        """Sets the optimizer's LR scale for the coming step and returns it."""
         lr_scale = lr_at(
             self.step,
             lr=1.0,
@@ -158,18 +185,22 @@ class TrainLoop:
             decay_fraction=self.settings.decay_fraction,
         )
         self.optimizer.set_lr_scale(lr_scale)
-        lr = self.settings.lr * lr_scale
-        lrs = self.optimizer.lrs()
-        t0 = time.perf_counter()
-        n_tokens = self.dist.sum(float(count_targets([t for _, t in batch.micro_batches])), self.device)
+        return lr_scale
+
+    def _accumulate(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], step_number: int
+    ) -> tuple[float, float]:
+        """Backward of every micro-batch, scaled by the step's global target count: (that count, the step's
+        mean token loss over all ranks)."""
+        n_tokens = self.dist.sum(float(count_targets([t for _, t in micro_batches])), self.device)
         if n_tokens == 0:
             raise TrainingError(
                 f"step {step_number} holds no target tokens (every target is padding); rebuild the dataset"
             )
         scale = self.parallel.gradient_divisor / n_tokens
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        last = len(batch.micro_batches) - 1
-        for i, (inputs, targets) in enumerate(batch.micro_batches):
+        last = len(micro_batches) - 1
+        for i, (inputs, targets) in enumerate(micro_batches):
             with self.parallel.micro_batch(last=i == last):
                 with autocast(self.device, self.settings.dtype):
                     loss = self.parallel.model(inputs, targets)
@@ -177,7 +208,10 @@ class TrainLoop:
                     loss = loss * float("nan")
                 (loss * scale).backward()
             loss_sum += loss.detach()
-        step_loss = self.dist.sum(float(loss_sum.item()), self.device) / n_tokens
+        return n_tokens, self.dist.sum(float(loss_sum.item()), self.device) / n_tokens
+
+    def _update(self, step_number: int, step_loss: float) -> float:
+        """Clip, then step the optimizer unless the loss or the gradient is not finite: the gradient norm."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm(max_norm)
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
@@ -189,19 +223,21 @@ class TrainLoop:
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        step_time, wall_time = now - t0, now - self.wall_mark
-        self.wall_mark = now
+        return grad_norm
 
-        self.step = step_number
-        self.tokens_seen += int(n_tokens)
-        self.last_loss = step_loss
+    def _step_metrics(
+        self,
+        lr: float,
+        lrs: dict[str, float],
+        grad_norm: float,
+        n_tokens: float,
+        step_time: float,
+        wall_time: float,
+    ) -> dict[str, float]:
         # The headline figure is wall clock, everything included; the compute-only rate is kept beside it.
         tokens_per_s = n_tokens / wall_time
-        metrics = {
-            "train/loss": step_loss,
+        return {
+            "train/loss": self.last_loss,
             "train/lr": lr,
             # What Muon's parameter group holds for this step, not a recomputation of it.
             **({"train/muon_lr": lrs["muon"]} if "muon" in lrs else {}),
@@ -216,15 +252,6 @@ class TrainLoop:
             "train/total_steps": float(self.total_steps),
             "train/epoch": self.loader.position.epoch + self.loader.position.index / len(self.loader.blocks),
         }
-        if self.compile_time_s is None:
-            self.compile_time_s = wall_time
-            metrics["train/compile_time_s"] = wall_time
-            # What MFU is relative to: a CPU's peak is measured (and may be re-measured by a later run).
-            metrics["train/peak_flops"] = self.peak_flops
-        else:
-            self.steady_tokens += int(n_tokens)
-            self.steady_time += wall_time
-        return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics
