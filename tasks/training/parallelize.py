@@ -49,11 +49,6 @@ from tasks.training.loss import LossHead
 from tasks.training.settings import TrainSettings
 
 Mode = Literal["none", "ddp", "fsdp"]
-CompileScope = Literal["blocks", "model"]
-# Under FSDP2 too, compile the whole LossHead rather than each decoder block (torchtitan's choice): on this
-# CPU the whole model stepped 435 tokens/s against 385 and compiled in 61 s against 175
-# (benchmarks/results/fsdp_compile.json, docs/scaling.md). Re-measure on GPUs (benchmarks/gpu_check.py).
-FSDP_COMPILE_SCOPE: CompileScope = "model"
 
 
 def parallel_mode(settings: TrainSettings) -> Mode:
@@ -124,7 +119,6 @@ def parallelize(
     device: torch.device,
     *,
     eos_id: int | None,
-    compile_scope: CompileScope | None = None,
 ) -> Parallel:
     """The model holding `weights` (a directory with model.safetensors), shared over the ranks as
     `parallel_mode` says, activation-checkpointed and compiled as `settings` say."""
@@ -142,14 +136,12 @@ def parallelize(
     if mode == "ddp":
         model = ddp = _wrap_ddp(model, device)
     if settings.compile:
-        scope = compile_scope or (FSDP_COMPILE_SCOPE if mode == "fsdp" else "model")
-        if scope == "blocks":
-            for block in decoder_blocks(plain):
-                block.compile(dynamic=False)
-        else:
-            # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
-            # all-reduce overlaps the rest of the backward pass.
-            model = torch.compile(model, dynamic=False)
+        # The whole LossHead, under FSDP2 too, rather than each decoder block (torchtitan's choice): on this
+        # CPU the whole model stepped 435 tokens/s against 385 and compiled in 61 s against 175
+        # (benchmarks/results/fsdp_compile.json, docs/scaling.md). Re-measure on GPUs (benchmarks/gpu_check.py).
+        # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
+        # all-reduce overlaps the rest of the backward pass.
+        model = torch.compile(model, dynamic=False)
     return Parallel(mode=mode, model=model, plain=plain, world_size=world, ddp=ddp)
 
 
