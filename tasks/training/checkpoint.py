@@ -35,7 +35,7 @@ from model import save_weights
 from model.atomic import atomic_dir, remove_stale
 from tasks.training.distributed import DistContext
 from tasks.training.optim import TrainOptimizer
-from tasks.training.optimizer_state import LEGACY_OPTIMIZER_FILE, OPTIMIZER_DIR, save_optimizer_state
+from tasks.training.optimizer_state import OPTIMIZER_DIR, save_optimizer_state
 from tasks.training.parallelize import Parallel
 
 MODEL_FILE = "model.safetensors"
@@ -336,7 +336,7 @@ def _manifest_problem(path: Path) -> tuple[str | None, list[str]]:
     for name in REQUIRED_FILES:
         if name not in checksums:
             return f"manifest.json lists no {name}", names
-    if LEGACY_OPTIMIZER_FILE not in checksums and not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in names):
+    if not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in names):
         return "manifest.json lists no optimizer state", names
     return None, names
 

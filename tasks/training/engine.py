@@ -201,7 +201,7 @@ def _restore_state(
     device: torch.device,
 ) -> tuple[int, int]:
     """Optimizer, loader and this rank's generators as the checkpoint left them: (step, tokens seen)."""
-    load_optimizer_state(resume, parallel.plain, optimizer, sharded=parallel.mode == "fsdp")
+    load_optimizer_state(resume, parallel.plain, optimizer)
     loader.load_state_dict(state["loader"])
     rng_state = ckpt.load_rng_state(resume, dist.rank)
     if rng_state is not None:

@@ -5,9 +5,6 @@ of none | DDP | FSDP2 loads it: DCP reads the slices each rank needs from whiche
 Tensors only: no pickle is written or read (DCP's default format pickles its metadata; its safetensors
 format keeps each shard's offsets in the file header). The param groups' hyperparameters are not stored:
 they come from the run's settings, which a resume must repeat (`tasks.training.resume`).
-
-Checkpoints written before this layout hold `optimizer.pt` (one process's torch state dict); they resume
-in a run without FSDP2.
 """
 
 from __future__ import annotations
@@ -25,11 +22,9 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from tasks.training.errors import TrainingInputError
 from tasks.training.optim import TrainOptimizer
 
 OPTIMIZER_DIR = "optimizer"
-LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 
 
 @contextmanager
@@ -56,22 +51,10 @@ def save_optimizer_state(directory: Path, model: nn.Module, optimizer: TrainOpti
         dcp.save(_tensors(state), storage_writer=writer, no_dist=alone)
 
 
-def load_optimizer_state(
-    checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer, *, sharded: bool
-) -> None:
+def load_optimizer_state(checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer) -> None:
     """Load checkpoint `checkpoint`'s optimizer state into `optimizer` (built for `model`, whatever its
     wrapping and world size). A collective under a process group."""
     directory = checkpoint / OPTIMIZER_DIR
-    if not directory.is_dir():
-        legacy = checkpoint / LEGACY_OPTIMIZER_FILE
-        if sharded:
-            raise TrainingInputError(
-                f"{checkpoint} holds its optimizer state as {LEGACY_OPTIMIZER_FILE} (written before sharded "
-                "checkpoints): resume it with data_parallel=ddp, whose next checkpoint FSDP2 can resume"
-            )
-        # Optimizer.load_state_dict moves each state tensor to its parameter's device itself.
-        optimizer.load_state_dict(torch.load(legacy, map_location="cpu", weights_only=True))
-        return
     # The state's tensors as this run holds them (initialised by a zero-LR step), filled in place.
     state = get_optimizer_state_dict(model, optimizer.optimizers)
     flat = _tensors(state)
