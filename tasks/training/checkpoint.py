@@ -131,36 +131,14 @@ def write_checkpoint(
     """Write `run_dir/step_{step:06d}` atomically, every rank its part, then prune (`prune_checkpoints`).
     A collective: every rank calls it (`trainer_state` is read on the main rank only)."""
     final = run_dir / checkpoint_name(step)
+    contents = (step, parallel, optimizer, trainer_state, model_config, settings, device, dist, midway)
     if dist.is_main:
         # The same step written again (a stop request right after a periodic save) replaces the first one.
         with atomic_dir(final, replace=True, durable=True) as staged:
             dist.broadcast_object(str(staged.path))
-            _fill(
-                staged.path,
-                step,
-                parallel,
-                optimizer,
-                trainer_state,
-                model_config,
-                settings,
-                device,
-                dist,
-                midway,
-            )
+            _fill(staged.path, *contents)
     else:
-        staged_path = Path(str(dist.broadcast_object(None)))
-        _fill(
-            staged_path,
-            step,
-            parallel,
-            optimizer,
-            trainer_state,
-            model_config,
-            settings,
-            device,
-            dist,
-            midway,
-        )
+        _fill(Path(str(dist.broadcast_object(None))), *contents)
     dist.barrier()  # published
     _remember_valid(final)
     prune_checkpoints(run_dir, keep, final, dist)
