@@ -9,6 +9,7 @@ the package an import passes through: importing `tasks.training.loss` from outsi
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ def _imported_names(module: str, path: Path, modules: dict[str, Path]) -> set[st
     return names
 
 
+@functools.cache
 def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(edges between our modules, the outside top-level packages each module imports)."""
     modules = _modules()
