@@ -20,6 +20,7 @@ any URI, in text that is shown or stored (messages, MLflow params and tags, log 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -29,6 +30,11 @@ from collections.abc import MutableMapping
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _TOKEN_END = re.compile(r"[\s'\"<>`]")
+# Query parameters that carry a secret (libpq's `password`, an API's `token`): their values are hidden.
+_SECRET_PARAMETER = re.compile(
+    r"([?&](?:password|passwd|pwd|sslpassword|token|access_token|api_key|apikey|secret)=)[^&#\s'\"<>`]*",
+    re.IGNORECASE,
+)
 # Where the client libraries take a password from instead of the URI.
 _LIBPQ_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2", "postgresql+asyncpg")
 # Variables that hold a secret themselves: remembered so that `redact` hides their values.
@@ -59,22 +65,42 @@ class CredentialsError(ValueError):
 # ------------------------------------------------------------------------------------------ redaction
 
 
-def _userinfo_end(rest: str) -> int | None:
+def _is_host_port(head: str) -> bool:
+    """Whether an authority without `@` (`head`, up to the first `/`, `?` or `#`) reads as host:port, not
+    as user:password. A password of digits cut by a `/` (`alice:2024/x@host`) reads as a port to URL
+    parsers (and as user-info to SQLAlchemy): it counts as a port only after a name that is clearly a
+    host (an IP address, a dotted name, `localhost`)."""
+    if head.startswith("["):
+        return True
+    host, _, port = head.rpartition(":")
+    if not port.isdigit():
+        return False
+    if host == "localhost" or "." in host:
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _userinfo_end(rest: str, line: str | None = None) -> int | None:
     """Index of the `@` that ends the user-info of `rest` (a URI after `scheme://`), or None.
 
     Parsers disagree on passwords holding `@`, `/` or `:` unencoded (browsers split at the authority's last
     `@`, SQLAlchemy at the first `@` even past a `/`), and people type them: when the authority starts as
     `user:something` (not `host:port`), the user-info runs to the last `@` of the URI, so no part of such a
-    password is ever shown (a path holding `@` is hidden with it). A lone user or token ends at the
-    authority's last `@`.
+    password is ever shown (a path holding `@` is hidden with it). `line`: the text from the same start to
+    the end of its line, where a URI found in text may go on (a password holding a space, a quote, `<` or
+    `>` ends the URI's token early). A lone user or token ends at the authority's last `@`.
     """
+    line = rest if line is None else line
     ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
     head = rest[: min(ends, default=len(rest))]
     first_at = head.find("@")
     user = head if first_at < 0 else head[:first_at]
-    is_port = first_at < 0 and (head.startswith("[") or head.rsplit(":", 1)[-1].isdigit())
-    if ":" in user and not is_port:
-        at = rest.rfind("@")
+    if ":" in user and not (first_at < 0 and _is_host_port(head)):
+        at = line.rfind("@")
         return at if at >= 0 else None
     return head.rfind("@") if first_at >= 0 else None
 
@@ -84,20 +110,26 @@ def _shown(userinfo: str) -> str:
     return f"{user}:***" if sep else "***"
 
 
+def _redact_query(text: str) -> str:
+    return _SECRET_PARAMETER.sub(r"\1***", text)
+
+
 def redact_uri(uri: str) -> str:
-    """`uri` with the password (or a lone token) of its user-info replaced by `***`: safe to show."""
+    """`uri` with the password (or a lone token) of its user-info, and the value of a secret query
+    parameter (`?password=`), replaced by `***`: safe to show."""
     match = _SCHEME.match(uri)
     if match is None:
         return uri
     rest = uri[match.end() :]
     end = _userinfo_end(rest)
-    if end is None:
-        return uri
-    return f"{match.group()}{_shown(rest[:end])}@{rest[end + 1 :]}"
+    if end is not None:
+        uri = f"{match.group()}{_shown(rest[:end])}@{rest[end + 1 :]}"
+    return _redact_query(uri)
 
 
 def redact(text: str) -> str:
-    """`text` with the user-info of every URI in it and every remembered secret replaced by `***`."""
+    """`text` with the user-info and secret query parameters of every URI in it and every remembered
+    secret replaced by `***`."""
     if not text:
         return text
     if "://" in text:
@@ -105,12 +137,23 @@ def redact(text: str) -> str:
         for match in _SCHEME.finditer(text):
             if match.start() < last:
                 continue
-            stop = _TOKEN_END.search(text, match.end())
-            token_end = stop.start() if stop else len(text)
-            token = text[match.start() : token_end]
-            parts += [text[last : match.start()], redact_uri(token)]
-            last = token_end
+            start = match.end()
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end < 0 else line_end
+            following = _SCHEME.search(text, start, line_end)
+            limit = following.start() if following else line_end  # the next URI starts its own
+            stop = _TOKEN_END.search(text, start, limit)
+            token_end = stop.start() if stop else limit
+            end = _userinfo_end(text[start:token_end], text[start:limit])
+            parts.append(text[last : match.start()])
+            if end is None:
+                parts.append(text[match.start() : token_end])
+                last = token_end
+            else:
+                parts.append(f"{match.group()}{_shown(text[start : start + end])}@")
+                last = start + end + 1
         text = "".join(parts) + text[last:]
+    text = _redact_query(text)
     with _LOCK:
         secrets = sorted(_SECRETS, key=len, reverse=True)
     for secret in secrets:
@@ -124,9 +167,9 @@ def remember_secret(value: str | None) -> None:
         return
     with _LOCK:
         _SECRETS.add(value)
-        quoted = urllib.parse.quote(value, safe="")
-        if quoted != value:
-            _SECRETS.add(quoted)
+        for encoded in (urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value, safe="")):
+            if encoded != value:
+                _SECRETS.add(encoded)  # as a URI or a form encodes it
 
 
 # ------------------------------------------------------------------------------------------ the door
@@ -157,6 +200,25 @@ def _set(environ: MutableMapping[str, str], name: str, value: str, source: str) 
     environ[name] = value
 
 
+def _without_query_password(uri: str) -> tuple[str, str | None]:
+    """(`uri` without libpq's `password` query parameter, its decoded value or None)."""
+    base, sep, query = uri.partition("?")
+    if not sep:
+        return uri, None
+    query, hash_sep, fragment = query.partition("#")
+    kept, found = [], None
+    for pair in query.split("&"):
+        key, _, value = pair.partition("=")
+        if key.lower() == "password":
+            found = urllib.parse.unquote_plus(value)
+        else:
+            kept.append(pair)
+    if found is None:
+        return uri, None
+    rebuilt = base + (f"?{'&'.join(kept)}" if kept else "")
+    return rebuilt + (f"#{fragment}" if hash_sep else ""), found
+
+
 def _scheme(uri: str) -> str:
     return urllib.parse.urlsplit(uri).scheme.lower()
 
@@ -168,10 +230,15 @@ def take_out(name: str, environ: MutableMapping[str, str] | None = None) -> bool
     if not uri:
         return False
     clean, user, password = split_userinfo(uri)
+    scheme = _scheme(uri)
+    if scheme in _LIBPQ_SCHEMES:
+        clean, in_query = _without_query_password(clean)
+        if in_query is not None and password is not None and in_query != password:
+            raise CredentialsError(f"{name} carries two different passwords: keep one (better: PGPASSWORD)")
+        password = password if password is not None else in_query
     if clean == uri:
         return False
     remember_secret(password)
-    scheme = _scheme(uri)
     if name == "PREFECT_UI_URL":
         pass
     elif name == "PREFECT_API_URL":
@@ -193,7 +260,8 @@ def take_out(name: str, environ: MutableMapping[str, str] | None = None) -> bool
         _set(environ, "PGPASSWORD", password, name)
         match = _SCHEME.match(clean)
         assert match is not None
-        clean = f"{match.group()}{urllib.parse.quote(user or '', safe='')}@{clean[match.end() :]}"
+        if user:
+            clean = f"{match.group()}{urllib.parse.quote(user, safe='')}@{clean[match.end() :]}"
     else:
         return False  # a driver that reads its password only from the URI: redacted wherever it is shown
     environ[name] = clean
