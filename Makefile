@@ -3,9 +3,10 @@
 #   make test    ruff + the whole test suite (end-to-end tests included)
 #   make services / make services-down   PostgreSQL + Prefect server + MLflow server on free local ports
 #                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export.
-#                HOST=0.0.0.0 (or an address) listens beyond loopback, which turns authentication on;
-#                AUTH=1 turns it on for loopback too. Credentials: SERVICES_DIR/env.sh (mode 0600).
-#   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m")
+#                Authentication is always on (NO_AUTH=1: off, loopback only, for a throwaway directory);
+#                HOST=0.0.0.0 (or an address) listens beyond loopback. Credentials: SERVICES_DIR/env.sh (0600).
+#   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m";
+#                ROLE=promoter: may also move aliases, for the registering flow; ROLE=reader: reads only)
 PYTHON ?= python3.11
 VENV ?= .venv
 # CPU machines take PyTorch's CPU wheel; a CUDA machine (nvidia-smi present) takes the CUDA build.
@@ -17,12 +18,13 @@ ARGS ?=
 .PHONY: install train tiny test lint bench clean services services-down services-user
 SERVICES_DIR ?=
 HOST ?=
-AUTH ?=
+NO_AUTH ?=
+ROLE ?=
 NAME ?= worker
 EXPERIMENTS ?=
 MODELS ?=
 SERVICES_ARGS = $(if $(SERVICES_DIR),--dir $(SERVICES_DIR))
-SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1 yes true on,$(AUTH)),--auth)
+SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1 yes true on,$(NO_AUTH)),--no-auth)
 
 # Install also migrates the embedded Prefect server's database (PREFECT_HOME), once, instead of the first run
 # (8-10 s of a cold `make train` on 2 cores).
@@ -52,7 +54,8 @@ services: $(STAMP)
 
 services-user: $(STAMP)
 	$(VENV)/bin/python -m flows.services add-user $(NAME) $(SERVICES_ARGS) \
-		$(foreach e,$(EXPERIMENTS),--experiment $(e)) $(foreach m,$(MODELS),--model $(m))
+		$(foreach e,$(EXPERIMENTS),--experiment $(e)) $(foreach m,$(MODELS),--model $(m)) \
+		$(if $(filter promoter,$(ROLE)),--promoter) $(if $(filter reader,$(ROLE)),--read-only)
 
 services-down: $(STAMP)
 	$(VENV)/bin/python -m flows.services down $(SERVICES_ARGS)

@@ -10,7 +10,9 @@ Prefect event.
 
 The compare-and-set of the alias runs under a per-model lock in the MLflow store, fenced
 (`tasks.registry.decision`, `tasks.registry.lock`): two registrations finishing together cannot leave the
-worse one holding it. Registering a run again (a flow-run retry) returns the version it already
+worse one holding it. The decision runs as the promoter when `LLAMAFLOW_PROMOTER_USERNAME`/`_PASSWORD` are
+set (`tasks.registry.promoter`: a worker's own credentials may register versions but not move aliases).
+Registering a run again (a flow-run retry) returns the version it already
 registered, completing what a crash left undone (the decision, the run tag, the event). Every call goes
 through a client of the given store; MLflow's process-wide tracking URI is never touched. Aliases only.
 """
@@ -42,6 +44,7 @@ from tasks.registry.decision import (
     decide,
     number,
 )
+from tasks.registry.promoter import promoter_client, refused
 from tasks.registry.publish import log_version
 from tasks.scoring import ScoringError, validation_text
 from tasks.tracking import store
@@ -238,7 +241,13 @@ def register_model(
                 champion, eval_result, dataset, tokenizer, uri=uri, device=eval_device
             )
 
-        decide(client, version, eval_result.bits_per_byte, score_champion, alias=alias, promotion=promotion)
+        decider = promoter_client(uri) or client  # the alias moves by the promoter's hand, when there is one
+        try:
+            decide(
+                decider, version, eval_result.bits_per_byte, score_champion, alias=alias, promotion=promotion
+            )
+        except MlflowException as exc:
+            raise (refused(exc, alias, model_name) or exc) from exc
         version = client.get_model_version(model_name, version.version)
     registered = _recorded(version, alias)
     _complete(client, version, registered)

@@ -1,5 +1,5 @@
 """Production across machines, end to end (issue 13.4), with authentication on (issue 32): real PostgreSQL,
-Prefect server and MLflow server from `flows.services --auth`; `prefect deploy` from a clone of the
+Prefect server and MLflow server from `flows.services` (authenticated by default); `prefect deploy` from a clone of the
 repository; that clone deleted; a worker in another directory, with its own environment, home and caches and
 the least-privilege MLflow user's credentials (given inside its URIs: taken out at its door), that clones and
 installs the deployed commit; a tiny adhoc run; the registered model loaded and served from a third
@@ -93,7 +93,7 @@ def root() -> Iterator[Path]:
 
 @pytest.mark.e2e
 def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_elsewhere(root: Path) -> None:
-    services = stores.up(root / "services", auth=True)
+    services = stores.up(root / "services")  # authenticated by default
     worker = None
     try:
         admin = services.client_env()
@@ -105,6 +105,20 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
         )
         worker_creds = dict(line.split("=", 1) for line in worker_file.read_text().splitlines())
         password = worker_creds["MLFLOW_TRACKING_PASSWORD"]
+        # The registering flow runs on this worker: its promotion step moves the alias as the promoter (the
+        # worker's own user cannot), whose credentials this machine holds besides the worker's.
+        promoter_file = stores.add_user(
+            services,
+            "promoter",
+            experiments=["llamaflow-tiny"],
+            models=[name, f"{name}-split"],
+            promoter=True,
+        )
+        promoter = {
+            key: value
+            for key, value in (line.split("=", 1) for line in promoter_file.read_text().splitlines())
+            if key.startswith("LLAMAFLOW_PROMOTER_")
+        }
 
         # The deployer: a clone of the remote, `prefect deploy` from it, then the clone is gone.
         origin = _publish_snapshot(root)
@@ -165,6 +179,7 @@ def test_a_worker_sharing_only_the_network_trains_and_registers_a_model_served_e
             LLAMAFLOW_HOME=str(place / "home"),
             HF_DATASETS_CACHE=str(place / "hf-datasets"),
             PREFECT_WORKER_QUERY_SECONDS="2",
+            **promoter,
             PIP_NO_INDEX="1",  # nothing to download: the dependencies are there, the project comes from the clone
             PIP_NO_BUILD_ISOLATION="0",  # pip's spelling of --no-build-isolation (use the installed setuptools)
         )

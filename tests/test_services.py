@@ -1,15 +1,20 @@
-"""`flows.services` with authentication on, on 127.0.0.1 (one set of stores for the module): each server
-refuses a request without credentials and accepts the clients'; a whole tiny flow given its credentials
-inside the URIs completes, registers as a least-privilege MLflow user, and nothing it printed or stored
-holds a password; a worker with wrong credentials stops at its start with one line; Prefect's logs and
-state messages, the flow-run URL tag and placement errors never show one. Then the lifecycle: a failed
-`up` leaves what ran, PostgreSQL moved to another port takes both servers along, strangers holding saved
-pids are neither trusted nor signalled, and ports in TIME_WAIT count as free.
+"""`flows.services` as a plain `up` leaves it, on 127.0.0.1 (one set of stores for the module, started over
+the unauthenticated PostgreSQL cluster an older `up` left: the plain `up` migrates it): each server refuses a
+request without credentials and accepts the clients'; another local user (`nobody`) gets into none of them
+and reads none of their files; each MLflow role can do what it says and nothing more (a test per refusal);
+the servers' environment holds nothing of the operator's; a whole tiny flow given its credentials inside
+the URIs completes, registers as a least-privilege worker and is promoted by the promoter, and nothing it
+printed or stored holds a password; a worker with wrong credentials stops at its start with one line;
+Prefect's logs and state messages, the flow-run URL tag and placement errors never show one. Then the
+lifecycle: a failed `up` leaves what ran, PostgreSQL moved to another port takes both servers along, an
+`up` killed while waiting is stopped by `down`, strangers holding saved pids are neither trusted nor
+signalled, and ports in TIME_WAIT count as free.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +46,10 @@ from prefect_server import TINY_RUN
 
 pytestmark = pytest.mark.e2e
 MLFLOW_WORKERS = 1  # one uvicorn process: the smallest server that is still the real one
+STRANGER = "nobody"  # another local user; the clusters of this module belong to PG_OWNER
+PG_OWNER = "daemon"
+LOOPBACK_HOST = "127.0.0.1"
+CANARY = "LLAMAFLOW_TEST_OPERATOR_SECRET"  # in the operator's environment when `up` runs
 # fp32: CPUs without AVX-512 BF16 run bf16 matmuls at a fraction of fp32's speed; precision is not under test.
 RUN = {**TINY_RUN, "max_steps": 4, "dtype": "fp32"}
 
@@ -56,16 +65,42 @@ def base() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def services(base: Path) -> Iterator[stores.Services]:
+    from flows.services.state import save
+
+    root = base / "stores"
     try:
-        yield stores.up(base / "stores", auth=True, mlflow_workers=MLFLOW_WORKERS)
+        # What an older `up` without authentication left: a cluster that trusts every local connection.
+        older, _ = stores.configure(root, no_auth=True, pg_user=PG_OWNER)
+        postgres.start(older, None)
+        older.pg_launch = postgres.launch(older)
+        save(older)
+        os.environ[CANARY] = "operator-secret-canary"
+        try:
+            yield stores.up(root, pg_user=PG_OWNER, mlflow_workers=MLFLOW_WORKERS)  # no flag: closed
+        finally:
+            del os.environ[CANARY]
     finally:
-        stores.down(base / "stores")
+        stores.down(root)
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
 
 
 @pytest.fixture(scope="module")
 def worker_env(services: stores.Services) -> dict[str, str]:
-    env_file = stores.add_user(services, "worker")
-    return dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    return _read_env(stores.add_user(services, "worker"))
+
+
+@pytest.fixture(scope="module")
+def promoter_env(services: stores.Services) -> dict[str, str]:
+    return _read_env(stores.add_user(services, "promoter", promoter=True))
+
+
+@pytest.fixture(scope="module")
+def reader_env(services: stores.Services) -> dict[str, str]:
+    stores.add_user(services, "reader")  # first a worker: becoming a reader takes its grants away
+    return _read_env(stores.add_user(services, "reader", read_only=True))
 
 
 def _status(url: str, body: object, auth: str | None = None) -> int:
@@ -105,6 +140,67 @@ def test_each_server_refuses_a_request_without_credentials_and_accepts_the_clien
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("runuser") is None, reason="another local user needs root and runuser"
+)
+
+
+def _as_stranger(*args: str) -> subprocess.CompletedProcess[str]:
+    command = ["runuser", "-u", STRANGER, "--", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/")
+
+
+def _stranger_status(url: str) -> str:
+    done = _as_stranger("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", url, "-d", "{}")
+    return done.stdout
+
+
+@needs_root
+def test_another_local_user_gets_into_no_store_after_a_plain_up(services: stores.Services) -> None:
+    """The issue's reproduction, from the `nobody` account: no password to PostgreSQL, no credentials to
+    the two APIs; all refused."""
+    psql = shutil.which("psql") or postgres.pg_bin("psql")
+    for host in (LOOPBACK_HOST, str(Path(services.root) / "postgres")):  # TCP, and the Unix socket
+        done = _as_stranger(
+            psql, "-w", "-h", host, "-p", str(services.pg_port), "-U", "llamaflow", "-c", "SELECT 1"
+        )
+        assert done.returncode != 0 and "(1 row)" not in done.stdout, done.stdout
+        assert "no password supplied" in done.stderr or "Permission denied" in done.stderr, done.stderr
+    assert _stranger_status(f"{services.prefect_api_url}/flows/filter") == "401"
+    assert _stranger_status(f"{services.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search") == "401"
+
+
+def test_prefect_answers_cross_origin_requests_from_its_own_ui_only(services: stores.Services) -> None:
+    def preflight(origin: str) -> str | None:
+        request = urllib.request.Request(
+            f"{services.prefect_api_url}/flows/filter",
+            method="OPTIONS",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as err:
+            return err.headers.get("access-control-allow-origin")
+
+    assert preflight("http://evil.example") is None
+    assert preflight(services.prefect_ui_url) == services.prefect_ui_url
+
+
+def test_the_servers_environment_holds_nothing_of_the_operators(services: stores.Services) -> None:
+    postmaster = postgres.postmaster(services)
+    assert postmaster is not None
+    pids = {"postgres": postmaster.pid, **{name: r.pid for name, r in services.servers.items()}}
+    for name, pid in pids.items():
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+        assert CANARY not in names, name
+        clients = {"PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_API_KEY"}  # the operator's
+        assert not {n for n in names if n.startswith("MLFLOW_TRACKING") or n in clients}, (name, names)
+    postgres_environ = Path(f"/proc/{pids['postgres']}/environ").read_bytes()
+    assert b"PGPASSWORD" not in postgres_environ and b"MLFLOW" not in postgres_environ
+
+
 def test_status_says_authentication_is_on_and_secrets_stay_in_private_files(
     services: stores.Services, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -114,6 +210,7 @@ def test_status_says_authentication_is_on_and_secrets_stay_in_private_files(
     assert main(["status", "--dir", str(root)]) == 0
     shown = capsys.readouterr().out
     assert "auth      on" in shown and "mlflow    running" in shown
+    assert stores.load(root).auth  # the plain `up` migrated the unauthenticated directory
     kept = stores.Secrets.load(root)
     secrets = [kept.postgres_password, kept.prefect_auth_string, kept.mlflow_admin_password]
     assert not [s for s in secrets if s in shown]
@@ -127,29 +224,109 @@ def test_status_says_authentication_is_on_and_secrets_stay_in_private_files(
         assert not [s for s in secrets if s in " ".join(launch.fingerprint)]  # argument lists are public
 
 
-def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_or_manage_users(
-    services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from mlflow.exceptions import MlflowException
+def _mlflow_as(services: stores.Services, env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
     from mlflow.tracking import MlflowClient
 
     for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-        monkeypatch.setenv(key, worker_env[key])
-    client = MlflowClient(services.mlflow_tracking_uri, services.mlflow_tracking_uri)
+        monkeypatch.setenv(key, env[key])
+    return MlflowClient(services.mlflow_tracking_uri, services.mlflow_tracking_uri)
+
+
+def _admin_env(services: stores.Services) -> dict[str, str]:
+    return services.client_env()
+
+
+def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_promote_or_manage_users(
+    services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from tasks.registry.promoter import refused
+
+    admin = _mlflow_as(services, _admin_env(services), monkeypatch)
+    elsewhere = admin.create_experiment("not-the-workers")
+    client = _mlflow_as(services, worker_env, monkeypatch)
     experiment = client.get_experiment_by_name("llamaflow-tiny")
     run = client.create_run(experiment.experiment_id)
     client.log_metric(run.info.run_id, "probe", 1.0)
     client.set_terminated(run.info.run_id)
-    forbidden = [
-        lambda: client.delete_experiment(experiment.experiment_id),
-        lambda: client.delete_run(run.info.run_id),
-        lambda: client.delete_registered_model("llamaflow-tiny"),
-        lambda: _auth_client(services).create_user("intruder", "Intruder-password-1"),
-        lambda: _auth_client(services).update_user_admin("worker", True),
-    ]
-    for attempt in forbidden:
-        with pytest.raises(MlflowException, match="403"):
+    version = client.create_model_version(
+        "llamaflow-tiny", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    ).version
+    forbidden = {
+        "move an alias": lambda: client.set_registered_model_alias("llamaflow-tiny", "champion", version),
+        "delete a version": lambda: client.delete_model_version("llamaflow-tiny", version),
+        "write an experiment not granted": lambda: client.create_run(elsewhere),
+        "delete its experiment": lambda: client.delete_experiment(experiment.experiment_id),
+        "delete a run": lambda: client.delete_run(run.info.run_id),
+        "delete its model": lambda: client.delete_registered_model("llamaflow-tiny"),
+        "create a user": lambda: _auth_client(services).create_user("intruder", "Intruder-password-1"),
+        "make itself admin": lambda: _auth_client(services).update_user_admin("worker", True),
+    }
+    allowed = []
+    for what, attempt in forbidden.items():
+        try:
             attempt()
+            allowed.append(what)
+        except MlflowException as err:
+            assert "403" in str(err), (what, err)
+            if what == "move an alias":  # what the registering flow says then
+                assert "LLAMAFLOW_PROMOTER_USERNAME" in str(refused(err, "champion", "llamaflow-tiny"))
+    assert allowed == []
+
+
+def test_the_promoter_moves_aliases_and_holds_the_promotion_lock(
+    services: stores.Services, worker_env: dict[str, str], promoter_env: dict[str, str], monkeypatch
+) -> None:
+    from tasks.registry.lock import promotion_lock
+    from tasks.registry.promoter import promoter_client
+
+    assert "LLAMAFLOW_PROMOTER_PASSWORD" not in worker_env
+    client = _mlflow_as(services, worker_env, monkeypatch)  # the flow runs as the worker, ...
+    experiment = client.get_experiment_by_name("llamaflow-tiny")
+    run = client.create_run(experiment.experiment_id)
+    version = client.create_model_version(
+        "llamaflow-tiny", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    ).version
+    for key in ("LLAMAFLOW_PROMOTER_USERNAME", "LLAMAFLOW_PROMOTER_PASSWORD"):
+        monkeypatch.setenv(key, promoter_env[key])
+    promoter = promoter_client(services.mlflow_tracking_uri)  # ... and promotes as the promoter
+    assert promoter is not None
+    with promotion_lock(promoter, "llamaflow-tiny", wait_s=60) as lease:
+        promoter.set_registered_model_alias("llamaflow-tiny", "probe-champion", version)
+        assert lease.held()
+    assert client.get_model_version_by_alias("llamaflow-tiny", "probe-champion").version == version
+    promoter.delete_registered_model_alias("llamaflow-tiny", "probe-champion")  # the fence's undo does
+
+
+def test_a_reader_holds_no_prefect_secret_and_writes_nothing(
+    services: stores.Services, reader_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.exceptions import MlflowException
+
+    assert not [key for key in reader_env if key.startswith("PREFECT_API_AUTH") or "PROMOTER" in key]
+    admin = _mlflow_as(services, _admin_env(services), monkeypatch)
+    experiment = admin.get_experiment_by_name("llamaflow-tiny").experiment_id
+    run = admin.create_run(experiment).info.run_id
+    client = _mlflow_as(services, reader_env, monkeypatch)
+    assert client.get_experiment(experiment).name == "llamaflow-tiny"  # it reads
+    assert client.search_runs([experiment], max_results=1)
+    forbidden = {
+        "create a run (a grant it had as a worker)": lambda: client.create_run(experiment),
+        "log to a run": lambda: client.log_metric(run, "probe", 1.0),
+        "tag an experiment": lambda: client.set_experiment_tag(experiment, "k", "v"),
+        "create an experiment": lambda: client.create_experiment("readers-own"),
+        "create a model": lambda: client.create_registered_model("readers-own"),
+        "tag a model": lambda: client.set_registered_model_tag("llamaflow-tiny", "k", "v"),
+    }
+    allowed = []
+    for what, attempt in forbidden.items():
+        try:
+            attempt()
+            allowed.append(what)
+        except MlflowException as err:
+            assert "403" in str(err), (what, err)
+    assert allowed == []
 
 
 def _auth_client(services: stores.Services):
@@ -196,11 +373,12 @@ def _dump(services: stores.Services, database: str) -> bytes:
 
 
 def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none_of_them(
-    services: stores.Services, worker_env: dict[str, str], base: Path
+    services: stores.Services, worker_env: dict[str, str], promoter_env: dict[str, str], base: Path
 ) -> None:
     """The issue's reproduction: MLFLOW_TRACKING_URI=http://worker:PASSWORD@... (and the Prefect API URL
-    alike) on the command line. The run registers as the least-privilege worker; then everything it
-    printed and everything both stores hold (their databases, artifact files, logs) is searched."""
+    alike) on the command line. The run registers as the least-privilege worker and its promotion step
+    moves `@champion` as the promoter; then everything it printed and everything both stores hold (their
+    databases, artifact files, logs) is searched."""
     root = Path(services.root)
     kept = stores.Secrets.load(root)
     mlflow_password = worker_env["MLFLOW_TRACKING_PASSWORD"]
@@ -217,6 +395,8 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
         PREFECT_HOME=str(place / "prefect"),
         MLFLOW_TRACKING_URI=_with_userinfo(services.mlflow_tracking_uri, "worker", mlflow_password),
         PREFECT_API_URL=_with_userinfo(services.prefect_api_url, "admin", prefect_password),
+        LLAMAFLOW_PROMOTER_USERNAME=promoter_env["LLAMAFLOW_PROMOTER_USERNAME"],
+        LLAMAFLOW_PROMOTER_PASSWORD=promoter_env["LLAMAFLOW_PROMOTER_PASSWORD"],
     )
     done = subprocess.run(
         [sys.executable, "-m", "flows.pretrain", *_cli_flags(RUN)],
@@ -240,12 +420,14 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
         client = MlflowClient(services.mlflow_tracking_uri, services.mlflow_tracking_uri)
         found = client.search_runs([client.get_experiment_by_name("llamaflow-tiny").experiment_id])
         (run,) = [r for r in found if "prefect.flow_run_id" in r.data.tags]  # the flow's, not a probe's
+        champion = client.get_model_version_by_alias("llamaflow-tiny", "champion")
     finally:
         del os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]
+    assert champion.run_id == run.info.run_id  # promoted by the promoter (the worker may not)
     assert run.data.tags["prefect.flow_run_url"].startswith(services.prefect_ui_url)
     assert run.data.params  # the search below covers them (the mlflow database)
 
-    private = {root / "secrets.json", root / "env.sh", root / "users" / "worker.env"}
+    private = {root / "secrets.json", root / "env.sh", *(root / "users").iterdir()}
     stored: list[tuple[str, bytes]] = [("output", output.encode())]
     stored += [(f"database {name}", _dump(services, name)) for name in postgres.DATABASES]
     cluster = set((root / "postgres" / "data").rglob("*"))  # its content is in the dumps; its log is searched
@@ -256,8 +438,26 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
     assert run.info.run_id.encode() in b"".join(data for _, data in stored[1:3])  # the search sees the run
     assert any("mlflow-artifacts" in name for name, _ in stored)  # and its artifact files
     secrets = [mlflow_password, prefect_password, kept.postgres_password, kept.mlflow_admin_password]
+    secrets.append(promoter_env["LLAMAFLOW_PROMOTER_PASSWORD"])
     leaks = [(name, secret[:4]) for name, data in stored for secret in secrets if secret.encode() in data]
     assert leaks == []
+
+
+def test_no_file_of_the_stores_is_open_to_other_users(services: stores.Services) -> None:
+    """After the tiny flow: its artifacts, the servers' logs, the cluster, the secrets: owner only."""
+    root = Path(services.root)
+    assert root.stat().st_mode & 0o777 in (0o700, 0o711)  # others may pass through to the cluster, not list
+    artifacts = [p for p in (root / "mlflow-artifacts").rglob("*") if p.is_file()]
+    assert artifacts  # the run's, written by the MLflow server
+    opened = [
+        f"{oct(path.stat().st_mode & 0o777)} {path}"
+        for path in root.rglob("*")
+        if not path.is_socket() and path.stat().st_mode & 0o077
+    ]
+    assert opened == []
+    if os.geteuid() == 0 and shutil.which("runuser"):
+        done = _as_stranger("cat", str(root / "mlflow-server.log"), str(root / "secrets.json"))
+        assert done.returncode != 0 and "Permission denied" in done.stderr
 
 
 def test_a_worker_with_wrong_credentials_stops_at_its_start_with_one_line(
@@ -386,7 +586,7 @@ def test_a_failed_up_stops_only_what_it_started(services: stores.Services) -> No
     stop_tree(before.servers.pop("mlflow").pid)  # MLflow down; PostgreSQL and Prefect healthy
     prefect = before.servers["prefect"]
     with pytest.raises(Exception, match="MLflow server"):
-        stores.up(root, auth=True, mlflow_workers=MLFLOW_WORKERS, timeout_s=0.5)
+        stores.up(root, pg_user=PG_OWNER, mlflow_workers=MLFLOW_WORKERS, timeout_s=0.5)
     after = stores.load(root)
     assert stores.running(after) == {"postgres": True, "prefect": True, "mlflow": False}
     assert after.servers["prefect"] == prefect  # the same process, untouched
@@ -400,7 +600,7 @@ def test_postgres_back_on_another_port_takes_both_servers_along(services: stores
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its own TIME_WAIT connections
         squatter.bind(("127.0.0.1", before.pg_port))
         squatter.listen()  # the old port is taken meanwhile: PostgreSQL comes back elsewhere
-        after = stores.up(root, auth=True, mlflow_workers=MLFLOW_WORKERS)
+        after = stores.up(root, pg_user=PG_OWNER, mlflow_workers=MLFLOW_WORKERS)
     assert after.pg_port != before.pg_port
     assert after.servers["prefect"].pid != before.servers["prefect"].pid  # restarted on the new database
     env = after.client_env()
@@ -416,7 +616,7 @@ def test_postgres_back_on_another_port_takes_both_servers_along(services: stores
 # ---------------------------------------------------------------------------------------- no servers
 
 
-def test_listening_beyond_loopback_turns_authentication_on_for_good(tmp_path: Path) -> None:
+def test_authentication_is_on_by_default_and_never_turned_off(tmp_path: Path) -> None:
     services, secrets = stores.configure(tmp_path / "s", host="0.0.0.0")
     assert services.auth and secrets is not None
     assert postgres.launch(services)[-1] == "auth=True"
@@ -429,8 +629,93 @@ def test_listening_beyond_loopback_turns_authentication_on_for_good(tmp_path: Pa
     from flows.services.state import save
 
     save(services)
-    again, _ = stores.configure(tmp_path / "s", host="127.0.0.1", auth=False)
-    assert again.auth  # never turned off for a directory
+    with pytest.raises(stores.ServicesError, match="--no-auth on 0.0.0.0"):
+        stores.configure(tmp_path / "s", no_auth=True)  # beyond loopback: never open
+    with pytest.raises(stores.ServicesError, match="never turned off: drop --no-auth"):
+        stores.configure(tmp_path / "s", host="127.0.0.1", no_auth=True)
+    assert stores.configure(tmp_path / "plain")[0].auth  # no flag: on, on loopback too
+
+
+def test_no_auth_warns_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from flows.services import __main__ as cli
+
+    monkeypatch.setattr(cli, "up", lambda root, **_: stores.configure(root, no_auth=True)[0])
+    assert cli.main(["up", "--dir", str(tmp_path / "s"), "--no-auth"]) == 0
+    shown = capsys.readouterr()
+    assert "authentication OFF" in shown.out
+    assert shown.err.strip().splitlines()[-1].startswith("WARNING: authentication is OFF")
+
+
+def test_up_down_and_add_user_wait_for_each_other(tmp_path: Path) -> None:
+    from flows.services.state import locked
+
+    root = tmp_path / "s"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with locked(root):
+        down = subprocess.Popen(
+            [sys.executable, "-m", "flows.services", "down", "--dir", str(root)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert down.stdout.readline().startswith("waiting for another `flows.services` command")
+            time.sleep(1.0)
+            assert down.poll() is None  # still waiting for the holder
+        except BaseException:
+            down.kill()
+            raise
+    assert down.wait(timeout=120) == 0
+
+
+def test_a_corrupt_state_file_is_named_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flows.services.__main__ import main
+
+    root = tmp_path / "s"
+    root.mkdir()
+    (root / "services.json").write_text('{"root": "/x", "pg_po')  # a write cut short
+    assert main(["status", "--dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "services.json is corrupt" in err and "remove services.json" in err
+
+
+@needs_root
+def test_an_up_killed_while_waiting_is_stopped_by_down(base: Path) -> None:
+    """`up` records each server before waiting for it: killed meanwhile (a Ctrl-C'd terminal, an OOM
+    kill), it leaves nothing `down` does not know."""
+    root = base / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "flows.services", "up", "--dir", str(root), "--pg-user", PG_OWNER]
+    command += ["--no-auth", "--mlflow-workers", "1"]
+    up = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefect = None
+    try:
+        deadline = time.monotonic() + 240
+        while prefect is None and time.monotonic() < deadline and up.poll() is None:
+            for child in psutil.Process(up.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    cmdline = child.cmdline()  # [python, .../bin/prefect, server, start, ...]
+                    if "server" in cmdline and "start" in cmdline and "prefect" in " ".join(cmdline[:2]):
+                        prefect = child
+            time.sleep(0.1)
+        assert prefect is not None, "the Prefect server was never started"
+        time.sleep(2.0)  # `up` now waits for it to answer
+        up.kill()
+        up.wait()
+        stores.down(root)
+        gone, _ = psutil.wait_procs([prefect], timeout=30)
+        assert gone, "down left the Prefect server of the killed `up` running"
+        assert not postgres.running(stores.load(root))
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        stores.down(root)  # whatever it recorded (all of it, when it finished before the kill)
+        if prefect is not None and prefect.is_running():
+            stop_tree(prefect.pid, grace_s=1)
+        postgres.stop(stores.configure(root, no_auth=True, pg_user=PG_OWNER)[0])
 
 
 def test_strangers_holding_saved_pids_are_neither_trusted_nor_signalled(tmp_path: Path) -> None:

@@ -17,10 +17,17 @@ def default_dir() -> Path:
     return home.home() / "services"
 
 
+NO_AUTH_WARNING = (
+    "WARNING: authentication is OFF (--no-auth): every local user of this machine, and any web page a "
+    "browser here opens, can reach PostgreSQL as its superuser, the Prefect API (which runs code on the "
+    "workers) and MLflow. `up` without --no-auth turns it on."
+)
+
+
 def _describe_auth(on: bool) -> str:
     if not on:
-        return "off (loopback only; `up --auth` turns it on)"
-    return "on (PostgreSQL SCRAM passwords, Prefect API auth string, MLflow basic-auth users)"
+        return "OFF (--no-auth: loopback only; `up` without --no-auth turns it on)"
+    return "on (PostgreSQL SCRAM passwords, Prefect API auth string, MLflow basic-auth users and roles)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,14 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--host",
         default=None,
         help="up: address the Prefect and MLflow servers listen on (default 127.0.0.1, or the one used "
-        "before); any other address turns authentication on",
+        "before)",
     )
     parser.add_argument(
         "--public-host",
         default=None,
         help="up: the name clients use for this machine (default: the address; for 0.0.0.0 the machine's name)",
     )
-    parser.add_argument("--auth", action="store_true", help="up: authentication on loopback too")
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="up: no authentication (loopback only, refused for a directory that had it): every local user "
+        "gets in",
+    )
+    parser.add_argument("--auth", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument(
         "--pg-user", default="nobody", help="owner of the PostgreSQL cluster when run as root"
     )
@@ -67,7 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-file", type=Path, default=None, help="add-user: where to write its environment"
     )
     parser.add_argument(
-        "--read-only", action="store_true", help="add-user: no grants (it reads, as every user may)"
+        "--read-only",
+        action="store_true",
+        help="add-user: a reader: MLflow reads only, no Prefect credentials",
+    )
+    parser.add_argument(
+        "--promoter",
+        action="store_true",
+        help="add-user: a worker that may also move its models' aliases (for the registering flow's "
+        "promotion step only; never give it to a worker)",
     )
     return parser
 
@@ -78,11 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.dir or default_dir()).resolve()
     try:
         if args.command == "up":
+            if args.auth and args.no_auth:
+                parser.error("--auth and --no-auth contradict each other (authentication is on by default)")
+            before = load(root)
             services = up(
                 root,
                 host=args.host,
                 public_host=args.public_host,
-                auth=args.auth,
+                no_auth=args.no_auth,
                 pg_user=args.pg_user,
                 timeout_s=args.timeout,
                 mlflow_workers=args.mlflow_workers,
@@ -97,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}")
             if services.auth:
                 print(f"# and the administrator's credentials, which {root / ENV_FILE} (mode 0600) exports")
+            if services.auth and before is not None and not before.auth:
+                print(f"migrated {root} to authentication: clients need the credentials of {root / ENV_FILE}")
+            if not services.auth:
+                print(NO_AUTH_WARNING, file=sys.stderr)
         elif args.command == "down":
             down(root)
             print(f"stopped; data kept in {root}")
@@ -106,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             services = load(root)
             if services is None:
                 raise ServicesError(
-                    f"no services in {root}: start them first (`python -m flows.services up --auth`)"
+                    f"no services in {root}: start them first (`python -m flows.services up`)"
                 )
             env_file = add_user(
                 services,
@@ -114,9 +142,16 @@ def main(argv: list[str] | None = None) -> int:
                 experiments=args.experiment,
                 models=args.model,
                 read_only=args.read_only,
+                promoter=args.promoter,
                 env_file=args.env_file,
             )
-            grants = "reads only" if args.read_only else "EDIT on its experiments and registered models"
+            grants = (
+                "reads only (MLflow), no Prefect credentials"
+                if args.read_only
+                else "EDIT on its experiments and registered models, and moves their aliases"
+                if args.promoter
+                else "EDIT on its experiments and registered models, no alias moves"
+            )
             print(
                 f"MLflow user {args.user!r}: {grants}, nothing else; its environment (URLs and credentials, "
                 f"mode 0600) is in {env_file}"
@@ -135,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, up_now in state.items():
                 print(f"{name:9s} {'running' if up_now else 'stopped':8s} {where[name]}")
             print(f"auth      {_describe_auth(services.auth)}")
+            if not services.auth:
+                print(NO_AUTH_WARNING, file=sys.stderr)
             return 0 if all(state.values()) else 1
     except (ServicesError, ProcessError) as err:
         print(f"error: {err}", file=sys.stderr)

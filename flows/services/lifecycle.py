@@ -4,11 +4,17 @@
 changed (a new PostgreSQL port after a restart, authentication turned on, another address) is restarted,
 so no server is left pointing at a database that moved. Only processes this directory started and that are
 still the same processes (pid, start time, command line) are trusted or signalled. When `up` fails, it stops
-what it started itself and leaves alone what was running before it.
+what it started itself and leaves alone what was running before it; a server is recorded in `services.json`
+before `up` waits for it, so a `down` stops even what an interrupted `up` left.
+
+Authentication is on unless `no_auth` asks otherwise (loopback only, and never for a directory that had it
+on): a directory started without it before is migrated by the next `up` (its cluster gets a password and
+`pg_hba.conf`, both servers are restarted with theirs). `up`, `down` and `add-user` hold the directory's lock.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -18,9 +24,11 @@ from flows.services.state import (
     LOOPBACK,
     Secrets,
     Services,
+    ServicesError,
     advertised_host,
     is_loopback,
     load,
+    locked,
     save,
 )
 
@@ -45,22 +53,35 @@ def configure(
     *,
     host: str | None = None,
     public_host: str | None = None,
-    auth: bool = False,
+    no_auth: bool = False,
     pg_user: str = "nobody",
 ) -> tuple[Services, Secrets | None]:
     """The services of `root` as asked (its saved state, then the arguments), and their secrets when
-    authentication is on; nothing is started. Authentication is on when asked (`auth`), when listening
-    beyond loopback, or when it was on before: it is never turned off for a directory."""
+    authentication is on; nothing is started. Authentication is on unless `no_auth`, which is refused
+    beyond loopback and for a directory that had authentication on (it is never turned off)."""
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
-    services = load(root) or Services(str(root), free_port(), free_port(), free_port(), pg_user)
+    # Its owner's only; as root, others may pass through (not list) to reach the cluster's own directory.
+    root.chmod(0o711 if os.geteuid() == 0 else 0o700)
+    saved = load(root)
+    services = saved or Services(str(root), free_port(), free_port(), free_port(), pg_user)
     services.pg_user = pg_user
     services.host = host or services.host
     if public_host:
         services.public_host = public_host
     elif host is not None:
         services.public_host = LOOPBACK if is_loopback(host) else advertised_host(host)
-    services.auth = services.auth or auth or not is_loopback(services.host)
+    if no_auth and not is_loopback(services.host):
+        raise ServicesError(
+            f"--no-auth on {services.host}: the stores would be open to the network; drop --no-auth "
+            "(or listen on 127.0.0.1 only)"
+        )
+    if no_auth and saved is not None and saved.auth:
+        raise ServicesError(
+            f"authentication is on in {root} and is never turned off: drop --no-auth (to start over "
+            "without it, `down` and remove the directory, losing its data)"
+        )
+    services.auth = not no_auth
     return services, (Secrets.load_or_create(root) if services.auth else None)
 
 
@@ -69,14 +90,29 @@ def up(
     *,
     host: str | None = None,
     public_host: str | None = None,
-    auth: bool = False,
+    no_auth: bool = False,
     pg_user: str = "nobody",
     timeout_s: float = 180.0,
     mlflow_workers: int = 2,
 ) -> Services:
     """Start whatever of the three is not running as asked (see `configure`); returns the services (URLs,
     ports, processes)."""
-    services, secrets = configure(root, host=host, public_host=public_host, auth=auth, pg_user=pg_user)
+    with locked(root.resolve()):
+        return _up(root, host, public_host, no_auth, pg_user, timeout_s, mlflow_workers)
+
+
+def _up(
+    root: Path,
+    host: str | None,
+    public_host: str | None,
+    no_auth: bool,
+    pg_user: str,
+    timeout_s: float,
+    mlflow_workers: int,
+) -> Services:
+    services, secrets = configure(root, host=host, public_host=public_host, no_auth=no_auth, pg_user=pg_user)
+    if secrets is not None:
+        servers.write_roles(services, secrets)
     state = running(services)
     started: list[str] = []
     try:
@@ -90,6 +126,8 @@ def up(
             if not port_is_free(services.pg_port):
                 services.pg_port = free_port()  # the old port was taken meanwhile
             started.append("postgres")
+            services.pg_launch = []  # until it answers: a `down` after an interrupted start stops it
+            save(services)
             postgres.start(services, secrets)
             services.pg_launch = postgres.launch(services)
         for name in servers.SERVERS:
@@ -106,7 +144,7 @@ def up(
                 setattr(services, port, free_port())
                 launch = _launches(services, secrets, mlflow_workers)[name]
             started.append(name)
-            servers.start(name, launch, services, timeout_s)
+            servers.start(name, launch, services, timeout_s, on_started=save)
     except BaseException:
         _stop_started(services, started)
         save(services)
@@ -142,9 +180,10 @@ def _stop_started(services: Services, started: list[str]) -> None:
 
 def down(root: Path) -> None:
     """Stop the servers and PostgreSQL; the data stays in `root` for the next `up`."""
-    services = load(root.resolve())
-    if services is None:
-        return
-    _stop_servers(services)
-    postgres.stop(services)
-    save(services)
+    with locked(root.resolve()):
+        services = load(root.resolve())
+        if services is None:
+            return
+        _stop_servers(services)
+        postgres.stop(services)
+        save(services)

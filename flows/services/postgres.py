@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from flows.services.processes import ProcessIdentity
+from flows.services.processes import PRIVATE_UMASK, ProcessIdentity, scrubbed_env
 from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
 from tasks.credentials import redact, remember_secret
 
@@ -98,7 +98,14 @@ def _as_pg_user(services: Services) -> dict[str, int | list[int]]:
 
 def _pg_run(services: Services, args: Sequence[str], what: str, stdin: str | None = None) -> None:
     done = subprocess.run(
-        list(args), input=stdin, capture_output=True, text=True, cwd="/", **_as_pg_user(services)
+        list(args),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=scrubbed_env(),  # no credential of the operator's reaches the cluster's /proc/PID/environ
+        umask=PRIVATE_UMASK,
+        **_as_pg_user(services),
     )
     if done.returncode != 0:
         raise ServicesError(
@@ -178,7 +185,9 @@ def start(services: Services, secrets: Secrets | None) -> None:
     if not (data / "PG_VERSION").is_file():
         _pg_run(
             services,
-            [pg_bin("initdb"), "-D", str(data), "-U", DB_USER, "--auth=trust", "-E", "UTF8", "--no-sync"],
+            # Trust only until the password is set below, in single-user mode: no server listens before it.
+            # With --no-auth (loopback only, asked for), it stays so.
+            [pg_bin("initdb"), "-D", str(data), "-U", DB_USER, "--auth=trust", "-E", "UTF8"],
             "initdb",
         )
     if secrets is not None:

@@ -24,6 +24,16 @@ from pathlib import Path
 
 import psutil
 
+PRIVATE_UMASK = 0o077  # what servers write (logs, artifacts, databases) is their owner's only
+# What a server inherits of this process's environment: where programs are and how text is encoded. Nothing
+# else: the operator's environment holds credentials (readable in /proc/PID/environ by the server's user).
+_INHERITED = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR")
+
+
+def scrubbed_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in _INHERITED or k.startswith("LC_")}
+    return {**env, **extra}
+
 
 class ProcessError(RuntimeError):
     """A helper process did not start; the message holds the end of its log."""
@@ -171,8 +181,10 @@ def _signal(pid: int, sig: signal.Signals, own: set[int]) -> None:
 
 
 def start_detached(args: Sequence[str], env: Mapping[str, str], log: Path) -> int:
-    """Start a server in its own session (it outlives this command); output to `log`."""
-    with log.open("ab") as out:
+    """Start a server in its own session (it outlives this command); output to `log` (mode 0600)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # a log an older version wrote with the umask's mode
+    with os.fdopen(fd, "ab") as out:
         proc = subprocess.Popen(
             list(args),
             env=dict(env),
@@ -181,6 +193,7 @@ def start_detached(args: Sequence[str], env: Mapping[str, str], log: Path) -> in
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=PRIVATE_UMASK,
         )
     return proc.pid
 

@@ -4,25 +4,41 @@ With authentication on, the Prefect server asks every API request for its auth s
 (`PREFECT_SERVER_API_AUTH_STRING`; clients send `PREFECT_API_AUTH_STRING`; `/api/health` stays open for
 probes) and the MLflow server runs MLflow's basic-auth app (`--app-name basic-auth`, the `mlflow[auth]`
 extra): users, passwords and permissions in its own database (`mlflow_auth` on the same cluster), its admin
-created on first start with the generated password. Secrets reach the servers through their environment,
-never their argument lists (which every user of the machine can read).
+created on first start with the generated password, and `flows.services.mlflow_policy` on top (who may move
+aliases, who only reads). The Prefect server answers cross-origin requests from its own UI only. Secrets
+reach the servers through their environment, never their argument lists (which every user of the machine
+can read); that environment holds nothing else of the operator's (`processes.scrubbed_env`).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.services.processes import ProcessIdentity, start_detached, wait_http
-from flows.services.state import ADMIN_USER, LOOPBACK, Secrets, ServerRecord, Services, is_loopback
+from flows.services.mlflow_policy import ROLES_VARIABLE
+from flows.services.processes import ProcessIdentity, scrubbed_env, start_detached, wait_http
+from flows.services.state import (
+    ADMIN_USER,
+    LOOPBACK,
+    ROLES_FILE,
+    Secrets,
+    ServerRecord,
+    Services,
+    is_loopback,
+    write_private,
+)
 
 SERVERS = ("prefect", "mlflow")
 AUTH_CONFIG = "mlflow-auth.ini"
 # Users without a grant of their own may read every experiment and model (a registry user needs no
 # grant); writing needs EDIT on the experiment or model, given by `python -m flows.services add-user`.
 DEFAULT_PERMISSION = "READ"
+POLICY_FUNCTION = "flows.services.mlflow_policy:authenticate"
+# The repository holding `flows`: the MLflow server imports the policy from the code that started it.
+CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -46,12 +62,17 @@ class Launch:
 
 
 def _base_env() -> dict[str, str]:
-    drop = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_API_AUTH_STRING", "PGPASSWORD")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MLFLOW_TRACKING_")}
+    env = scrubbed_env(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(CODE_ROOT))
     # uvicorn and gunicorn are started by name: the interpreter's bin/ must be on PATH.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["PATH"] = ":".join([str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")])
     return env
+
+
+def write_roles(services: Services, secrets: Secrets) -> None:
+    """`mlflow-roles.json`, which the MLflow server's policy reads: the admin and the promoters may move
+    aliases; readers only read."""
+    roles = {"promoters": [ADMIN_USER, *sorted(secrets.promoters)], "readers": sorted(secrets.readers)}
+    write_private(Path(services.root) / ROLES_FILE, json.dumps(roles, indent=2))
 
 
 def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
@@ -63,6 +84,9 @@ def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
         "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg"),
         # The UI's own calls to the API: the address browsers reach, not the one the server binds.
         "PREFECT_UI_API_URL": services.prefect_api_url,
+        # Not Prefect's default `*`: a page the operator opens elsewhere must not reach the API from the
+        # browser (a deployment's pull step is a shell command a worker runs).
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": services.prefect_ui_url,
     }
     secret_env = {}
     if secrets is not None:
@@ -103,7 +127,11 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
     health = f"http://{_probe_host(services)}:{services.mlflow_port}/health"
     if secrets is None:
         return Launch(args, {}, {}, health, root / "mlflow-server.log")
-    env = {"MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG), "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER}
+    env = {
+        "MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG),
+        "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER,
+        ROLES_VARIABLE: str(root / ROLES_FILE),
+    }
     secret_env = {
         "PGPASSWORD": secrets.postgres_password,
         "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.mlflow_admin_password,
@@ -138,23 +166,32 @@ def _auth_config(services: Services) -> str:
         f"default_permission = {DEFAULT_PERMISSION}\n"
         f"database_uri = {services.database_url('mlflow_auth', 'psycopg')}\n"
         f"admin_username = {ADMIN_USER}\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        f"authorization_function = {POLICY_FUNCTION}\n"
         "auth_cache_ttl_seconds = 60\n"
     )
 
 
-def start(name: str, launch: Launch, services: Services, timeout_s: float) -> ServerRecord:
-    """Start server `name` as `launch` says, wait until it answers, and return who it is."""
+def start(
+    name: str,
+    launch: Launch,
+    services: Services,
+    timeout_s: float,
+    on_started: Callable[[Services], None] = lambda _: None,
+) -> ServerRecord:
+    """Start server `name` as `launch` says, record it (`on_started`, before waiting: an interrupted wait
+    leaves a server that `down` knows), wait until it answers, and return who it is."""
     root = Path(services.root)
-    (root / "prefect").mkdir(exist_ok=True)
-    (root / "mlflow-artifacts").mkdir(exist_ok=True)
+    for private in (root / "prefect", root / "mlflow-artifacts"):
+        private.mkdir(mode=0o700, exist_ok=True)
+        private.chmod(0o700)  # one an older version made with the umask's mode
     if launch.config_file is not None:
-        launch.config_file.write_text(launch.config)
+        write_private(launch.config_file, launch.config)
     env = {**_base_env(), **launch.env, **launch.secret_env}
     pid = start_detached(launch.args, env, launch.log)
     identity = ProcessIdentity.of(pid) or ProcessIdentity(pid, "", tuple(launch.args))
     record = ServerRecord(pid, identity.started, list(identity.cmdline), launch.fingerprint)
     services.servers[name] = record
+    on_started(services)
     what = "the Prefect server" if name == "prefect" else "the MLflow server"
     wait_http(launch.health_url, pid, launch.log, what, timeout_s)
     return record

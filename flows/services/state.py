@@ -1,18 +1,22 @@
 """What `flows.services` keeps in its directory: `services.json` (ports, addresses, whether authentication is
-on, each server's process identity and launch), `secrets.json` (every generated secret, mode 0600) and the
-client environments (`env.sh` for the operator, `users/NAME.env` for a worker; mode 0600 once they hold
-credentials). Secrets go into files only, never into a URL, an argument list or the output.
+on, each server's process identity and launch), `secrets.json` (every generated secret), `mlflow-roles.json`
+(who may move aliases, who only reads: read by the MLflow server's policy, `flows.services.mlflow_policy`)
+and the client environments (`env.sh` for the operator, `users/NAME.env` for a user). Every file is written
+whole (a scratch file renamed into place) with mode 0600. Secrets go into files only, never into a URL, an
+argument list or the output.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import json
 import os
 import secrets
 import shlex
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,8 @@ from flows.services.processes import ProcessIdentity
 
 STATE_FILE = "services.json"
 SECRETS_FILE = "secrets.json"
+ROLES_FILE = "mlflow-roles.json"
+LOCK_FILE = ".lock"
 ENV_FILE = "env.sh"
 USERS_DIR = "users"
 DB_USER = "llamaflow"
@@ -68,7 +74,7 @@ class Services:
     pg_user: str
     host: str = LOOPBACK
     public_host: str = LOOPBACK
-    auth: bool = False
+    auth: bool = False  # an older services.json without the field was unauthenticated
     pg_launch: list[str] = field(default_factory=list)  # how the running cluster was started
     servers: dict[str, ServerRecord] = field(default_factory=dict)
 
@@ -89,13 +95,16 @@ class Services:
         scheme = f"postgresql+{driver}" if driver else "postgresql"
         return f"{scheme}://{DB_USER}@{LOOPBACK}:{self.pg_port}/{database}"
 
-    def client_env(self, mlflow_user: str | None = ADMIN_USER) -> dict[str, str]:
+    def client_env(self, mlflow_user: str | None = ADMIN_USER, prefect: bool = True) -> dict[str, str]:
         """What a client needs: the two URLs and, with authentication on, the credentials in the variables
-        Prefect and MLflow read (never in the URLs). `mlflow_user`: whose MLflow credentials."""
+        Prefect and MLflow read (never in the URLs). `mlflow_user`: whose MLflow credentials; `prefect`:
+        whether it gets Prefect's auth string (Prefect has one identity: whoever holds it may create
+        deployments, which run code on every worker, so a read-only user never does)."""
         env = {"PREFECT_API_URL": self.prefect_api_url, "MLFLOW_TRACKING_URI": self.mlflow_tracking_uri}
         if self.auth:
             kept = Secrets.load(Path(self.root))
-            env["PREFECT_API_AUTH_STRING"] = kept.prefect_auth_string
+            if prefect:
+                env["PREFECT_API_AUTH_STRING"] = kept.prefect_auth_string
             if mlflow_user is not None:
                 env["MLFLOW_TRACKING_USERNAME"] = mlflow_user
                 env["MLFLOW_TRACKING_PASSWORD"] = kept.mlflow_password(mlflow_user)
@@ -111,6 +120,8 @@ class Secrets:
     mlflow_admin_password: str
     mlflow_flask_secret_key: str
     mlflow_users: dict[str, str] = field(default_factory=dict)
+    promoters: list[str] = field(default_factory=list)  # users who may move aliases (`add-user --promoter`)
+    readers: list[str] = field(default_factory=list)  # users who only read (`add-user --read-only`)
 
     @staticmethod
     def generate() -> str:
@@ -121,7 +132,7 @@ class Secrets:
         path = root / SECRETS_FILE
         if not path.is_file():
             raise ServicesError(f"{path} does not exist: authentication is on but its secrets are gone")
-        return cls(**json.loads(path.read_text()))
+        return cls(**read_json(path))
 
     @classmethod
     def load_or_create(cls, root: Path) -> Secrets:
@@ -151,12 +162,16 @@ class Secrets:
 
 def write_private(path: Path, text: str) -> None:
     """Write `path` readable by its owner only, from the first byte on (then renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     scratch.unlink(missing_ok=True)
     fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(text)
+        out.flush()
+        os.fsync(
+            out.fileno()
+        )  # whole on disk before it replaces the old one: a crash leaves one or the other
     os.replace(scratch, path)
 
 
@@ -177,24 +192,56 @@ def advertised_host(host: str) -> str:
     return host
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object this directory wrote; a clear error when it is not one (a crash or an edit broke it)."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ServicesError(
+            f"{path} is corrupt ({err}): restore it from a backup, or stop what runs from this directory by "
+            f"hand and remove {path.name} (the data stays; the next `up` writes a new one)"
+        ) from err
+
+
 def load(root: Path) -> Services | None:
     path = root / STATE_FILE
     if not path.is_file():
         return None
-    data: dict[str, Any] = json.loads(path.read_text())
+    data = read_json(path)
     data.pop("pids", None)  # an older layout without process identities: nothing of it can be trusted
-    data["servers"] = {name: ServerRecord(**record) for name, record in data.get("servers", {}).items()}
-    return Services(**data)
+    try:
+        data["servers"] = {name: ServerRecord(**record) for name, record in data.get("servers", {}).items()}
+        return Services(**data)
+    except TypeError as err:
+        raise ServicesError(f"{path} is corrupt ({err}): restore it, or remove it (see above)") from err
 
 
 def save(services: Services) -> None:
     root = Path(services.root)
-    (root / STATE_FILE).write_text(json.dumps(asdict(services), indent=2))
+    write_private(root / STATE_FILE, json.dumps(asdict(services), indent=2))
     env = services.client_env()
     text = "# Generated by `python -m flows.services`: source it to talk to these stores.\n" + shell_exports(
         env
     )
-    if services.auth:
-        write_private(root / ENV_FILE, text)
-    else:
-        (root / ENV_FILE).write_text(text)
+    write_private(root / ENV_FILE, text)
+
+
+@contextlib.contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """Hold the directory's lock (`up`, `down` and `add-user` take it: two of them at once would race on
+    its secrets, its state and the cluster's `postmaster.pid`). Waits for the holder; released on exit,
+    even when the holder is killed (the kernel drops a dead process's lock)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another `flows.services` command on {root} to finish", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

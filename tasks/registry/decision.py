@@ -66,7 +66,7 @@ def verdict(ours: float, theirs: float | None, comparison: str, promotion: Promo
 
 
 def decide(
-    client: MlflowClient,
+    client: MlflowClient,  # the promoter's (`tasks.registry.promoter`): every write here is the decision's
     version: ModelVersion,
     ours: float,
     score_champion: ScoreChampion,

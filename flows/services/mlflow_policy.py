@@ -1,0 +1,69 @@
+"""What MLflow's permissions cannot say, said in the MLflow server itself: who may move an alias, who only reads.
+
+MLflow's basic-auth app grants per experiment and registered model, and one grant (EDIT on a model) both
+creates versions and moves its aliases; any user may also create experiments and registered models of
+its own. So the MLflow server of `flows.services` runs with this module's `authenticate` as its
+`authorization_function` (MLflow's documented extension point): it authenticates as MLflow's basic auth
+does, then refuses (403), before MLflow's own checks:
+
+- an alias set or removed (`registered-models/alias`) by anyone but the promoters (the admin is one): moving
+  `@champion` is the promotion step's alone (`tasks.registry.promoter`), so a worker's password, which
+  creates versions, cannot move it;
+- any request of a read-only user but a read (GET, or a POST to a search or get endpoint).
+
+Who is who comes from `mlflow-roles.json` in the services directory (`LLAMAFLOW_MLFLOW_ROLES` names it),
+written by `up` and `add-user`, re-read when it changes: no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+ROLES_VARIABLE = "LLAMAFLOW_MLFLOW_ROLES"
+ALIAS_ROUTE = "/registered-models/alias"
+_READ_METHODS = ("GET", "HEAD", "OPTIONS")
+_cache: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def roles() -> dict[str, set[str]]:
+    """{"promoters": users, "readers": users} from the roles file (its last good content if it is being
+    replaced); nobody is a promoter or reader when it is missing (then only the admin moves aliases)."""
+    path = Path(os.environ.get(ROLES_VARIABLE, ""))
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {"promoters": set(), "readers": set()}
+    with _lock:
+        if _cache.get("stamp") != stamp:
+            data = json.loads(path.read_text())
+            _cache["stamp"] = stamp
+            _cache["roles"] = {key: set(data.get(key, [])) for key in ("promoters", "readers")}
+        return _cache["roles"]  # type: ignore[return-value]
+
+
+def allowed(user: str, method: str, path: str) -> bool:
+    """Whether this policy lets `user` make the request (MLflow's own permissions still apply after)."""
+    who = roles()
+    if user in who["readers"]:
+        last = path.rstrip("/").rsplit("/", 1)[-1]
+        return method in _READ_METHODS or (method == "POST" and ("search" in last or last.startswith("get")))
+    if path.rstrip("/").endswith(ALIAS_ROUTE) and method not in _READ_METHODS:
+        return user in who["promoters"]
+    return True
+
+
+def authenticate():
+    """MLflow's basic authentication, then `allowed` (a 403 when it says no)."""
+    from flask import request
+    from mlflow.server import auth
+
+    result = auth.authenticate_request_basic_auth()
+    if isinstance(result, auth.Response) or not result.username:
+        return result
+    if not allowed(result.username, request.method, request.path):
+        return auth.make_forbidden_response()
+    return result
