@@ -161,9 +161,8 @@ def test_another_local_user_gets_into_no_store_after_a_plain_up(services: stores
     the two APIs; all refused."""
     psql = shutil.which("psql") or postgres.pg_bin("psql")
     for host in (LOOPBACK_HOST, str(Path(services.root) / "postgres")):  # TCP, and the Unix socket
-        done = _as_stranger(
-            psql, "-w", "-h", host, "-p", str(services.pg_port), "-U", "llamaflow", "-c", "SELECT 1"
-        )
+        login = ["-w", "-h", host, "-p", str(services.pg_port), "-U", "llamaflow", "-d", "postgres"]
+        done = _as_stranger(psql, *login, "-c", "SELECT 1")
         assert done.returncode != 0 and "(1 row)" not in done.stdout, done.stdout
         assert "no password supplied" in done.stderr or "Permission denied" in done.stderr, done.stderr
     assert _stranger_status(f"{services.prefect_api_url}/flows/filter") == "401"
