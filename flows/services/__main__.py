@@ -93,86 +93,96 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _up(args: argparse.Namespace, root: Path) -> None:
+    before = load(root)
+    services = up(
+        root,
+        host=args.host,
+        public_host=args.public_host,
+        no_auth=args.no_auth,
+        pg_user=args.pg_user,
+        timeout_s=args.timeout,
+        mlflow_workers=args.mlflow_workers,
+    )
+    print(
+        f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "
+        f"MLflow UI {services.mlflow_tracking_uri}; data and logs in {root}"
+    )
+    print(f"authentication {_describe_auth(services.auth)}")
+    print(f"# export these: source {root / ENV_FILE}")
+    print(f"export PREFECT_API_URL={services.prefect_api_url}")
+    print(f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}")
+    if services.auth:
+        print(f"# and the administrator's credentials, which {root / ENV_FILE} (mode 0600) exports")
+    if services.auth and before is not None and not before.auth:
+        print(f"migrated {root} to authentication: clients need the credentials of {root / ENV_FILE}")
+    if not services.auth:
+        print(NO_AUTH_WARNING, file=sys.stderr)
+
+
+def _add_user(args: argparse.Namespace, root: Path) -> None:
+    services = load(root)
+    if services is None:
+        raise ServicesError(f"no services in {root}: start them first (`python -m flows.services up`)")
+    env_file = add_user(
+        services,
+        args.user,
+        experiments=args.experiment,
+        models=args.model,
+        read_only=args.read_only,
+        promoter=args.promoter,
+        env_file=args.env_file,
+    )
+    grants = (
+        "reads only (MLflow), no Prefect credentials"
+        if args.read_only
+        else "EDIT on its experiments and registered models, and moves their aliases"
+        if args.promoter
+        else "EDIT on its experiments and registered models, no alias moves"
+    )
+    print(
+        f"MLflow user {args.user!r}: {grants}, nothing else; its environment (URLs and credentials, "
+        f"mode 0600) is in {env_file}"
+    )
+
+
+def _status(root: Path) -> int:
+    services = load(root)
+    if services is None:
+        print(f"no services in {root}")
+        return 1
+    state = running(services)
+    where = {
+        "postgres": services.database_url(""),
+        "prefect": services.prefect_api_url,
+        "mlflow": services.mlflow_tracking_uri,
+    }
+    for name, up_now in state.items():
+        print(f"{name:9s} {'running' if up_now else 'stopped':8s} {where[name]}")
+    print(f"auth      {_describe_auth(services.auth)}")
+    if not services.auth:
+        print(NO_AUTH_WARNING, file=sys.stderr)
+    return 0 if all(state.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     root = (args.dir or default_dir()).resolve()
+    if args.command == "up" and args.auth and args.no_auth:
+        parser.error("--auth and --no-auth contradict each other (authentication is on by default)")
+    if args.command == "add-user" and not args.user:
+        parser.error("add-user needs the user's name: python -m flows.services add-user worker")
     try:
         if args.command == "up":
-            if args.auth and args.no_auth:
-                parser.error("--auth and --no-auth contradict each other (authentication is on by default)")
-            before = load(root)
-            services = up(
-                root,
-                host=args.host,
-                public_host=args.public_host,
-                no_auth=args.no_auth,
-                pg_user=args.pg_user,
-                timeout_s=args.timeout,
-                mlflow_workers=args.mlflow_workers,
-            )
-            print(
-                f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "
-                f"MLflow UI {services.mlflow_tracking_uri}; data and logs in {root}"
-            )
-            print(f"authentication {_describe_auth(services.auth)}")
-            print(f"# export these: source {root / ENV_FILE}")
-            print(f"export PREFECT_API_URL={services.prefect_api_url}")
-            print(f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}")
-            if services.auth:
-                print(f"# and the administrator's credentials, which {root / ENV_FILE} (mode 0600) exports")
-            if services.auth and before is not None and not before.auth:
-                print(f"migrated {root} to authentication: clients need the credentials of {root / ENV_FILE}")
-            if not services.auth:
-                print(NO_AUTH_WARNING, file=sys.stderr)
+            _up(args, root)
         elif args.command == "down":
             down(root)
             print(f"stopped; data kept in {root}")
         elif args.command == "add-user":
-            if not args.user:
-                parser.error("add-user needs the user's name: python -m flows.services add-user worker")
-            services = load(root)
-            if services is None:
-                raise ServicesError(
-                    f"no services in {root}: start them first (`python -m flows.services up`)"
-                )
-            env_file = add_user(
-                services,
-                args.user,
-                experiments=args.experiment,
-                models=args.model,
-                read_only=args.read_only,
-                promoter=args.promoter,
-                env_file=args.env_file,
-            )
-            grants = (
-                "reads only (MLflow), no Prefect credentials"
-                if args.read_only
-                else "EDIT on its experiments and registered models, and moves their aliases"
-                if args.promoter
-                else "EDIT on its experiments and registered models, no alias moves"
-            )
-            print(
-                f"MLflow user {args.user!r}: {grants}, nothing else; its environment (URLs and credentials, "
-                f"mode 0600) is in {env_file}"
-            )
+            _add_user(args, root)
         else:
-            services = load(root)
-            if services is None:
-                print(f"no services in {root}")
-                return 1
-            state = running(services)
-            where = {
-                "postgres": services.database_url(""),
-                "prefect": services.prefect_api_url,
-                "mlflow": services.mlflow_tracking_uri,
-            }
-            for name, up_now in state.items():
-                print(f"{name:9s} {'running' if up_now else 'stopped':8s} {where[name]}")
-            print(f"auth      {_describe_auth(services.auth)}")
-            if not services.auth:
-                print(NO_AUTH_WARNING, file=sys.stderr)
-            return 0 if all(state.values()) else 1
+            return _status(root)
     except (ServicesError, ProcessError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
