@@ -831,6 +831,15 @@ def test_a_port_in_time_wait_counts_as_free() -> None:
     assert port_is_free(port)
 
 
+def test_a_port_is_free_only_when_the_servers_address_has_it() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.2", 0))  # another loopback address, which a `--host` may name
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        assert not port_is_free(port, "127.0.0.2")  # the check used to ask 127.0.0.1 only: "free"
+        assert port_is_free(port, "127.0.0.1")
+
+
 def test_pg_bin_takes_the_version_that_created_the_cluster(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -140,8 +140,8 @@ def _up(
                 # moved to another port, authentication turned on): restarted, never left on the old URL.
                 stop_tree(services.servers.pop(name).pid)
             port = f"{name}_port"
-            if not port_is_free(getattr(services, port)):
-                setattr(services, port, free_port())
+            if not port_is_free(getattr(services, port), services.host):
+                setattr(services, port, free_port(services.host))
                 launch = _launches(services, secrets, mlflow_workers)[name]
             started.append(name)
             servers.start(name, launch, services, timeout_s, on_started=save)

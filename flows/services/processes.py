@@ -39,27 +39,28 @@ class ProcessError(RuntimeError):
     """A helper process did not start; the message holds the end of its log."""
 
 
-def _bindable(port: int) -> socket.socket:
+def _bindable(port: int, host: str = "127.0.0.1") -> socket.socket:
     # SO_REUSEADDR as the servers set it: a port left in TIME_WAIT by a server that just stopped is free
     # to them, so it must look free here too (else a quick restart moves every URL).
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise
     return sock
 
 
-def free_port() -> int:
-    with _bindable(0) as sock:
+def free_port(host: str = "127.0.0.1") -> int:
+    with _bindable(0, host) as sock:
         return sock.getsockname()[1]
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server may listen on `port` of `host` (the address it binds, not always loopback)."""
     try:
-        _bindable(port).close()
+        _bindable(port, host).close()
     except OSError:
         return False
     return True
