@@ -72,6 +72,9 @@ def services(base: Path) -> Iterator[stores.Services]:
         # What an older `up` without authentication left: a cluster that trusts every local connection.
         older, _ = stores.configure(root, no_auth=True, pg_user=PG_OWNER)
         postgres.start(older, None)
+        with postgres.connect(older, None, autocommit=True) as conn:  # its databases, the superuser's
+            for name in postgres.DATABASES:
+                conn.execute(f'CREATE DATABASE "{name}"')
         older.pg_launch = postgres.launch(older)
         save(older)
         os.environ[CANARY] = "operator-secret-canary"
@@ -198,6 +201,36 @@ def test_the_servers_environment_holds_nothing_of_the_operators(services: stores
         assert not {n for n in names if n.startswith("MLFLOW_TRACKING") or n in clients}, (name, names)
     postgres_environ = Path(f"/proc/{pids['postgres']}/environ").read_bytes()
     assert b"PGPASSWORD" not in postgres_environ and b"MLFLOW" not in postgres_environ
+
+
+def test_each_server_connects_as_its_own_role_which_is_no_superuser(services: stores.Services) -> None:
+    import psycopg
+
+    kept = stores.Secrets.load(Path(services.root))
+    with postgres.connect(services, kept, autocommit=True) as conn:
+        roles = dict(
+            conn.execute("SELECT rolname, rolsuper FROM pg_roles WHERE rolname IN ('prefect', 'mlflow')")
+        )
+        seen = set(conn.execute("SELECT usename, datname FROM pg_stat_activity WHERE datname <> 'postgres'"))
+        # The handed-over path: what the superuser created in a server's database before the roles.
+        with postgres.connect(services, kept, "prefect", autocommit=True) as prefect_db:
+            prefect_db.execute("CREATE TABLE legacy_probe (id serial PRIMARY KEY)")
+        try:
+            postgres.create_databases(services, kept)  # what every `up` runs
+            with postgres.connect(services, kept, "prefect") as prefect_db:
+                owner = prefect_db.execute(
+                    "SELECT tableowner FROM pg_tables WHERE tablename = 'legacy_probe'"
+                ).fetchone()
+        finally:
+            with postgres.connect(services, kept, "prefect", autocommit=True) as prefect_db:
+                prefect_db.execute("DROP TABLE legacy_probe")
+    assert roles == {"prefect": False, "mlflow": False}
+    assert {("prefect", "prefect"), ("mlflow", "mlflow")} <= seen
+    assert not [who for who in seen if who[0] == "llamaflow"], seen  # the servers do not use the superuser
+    assert owner == ("prefect",)
+    url = services.database_url("mlflow", user="prefect")  # the other server's database: refused
+    with pytest.raises(psycopg.OperationalError, match="permission denied for database"):
+        psycopg.connect(url, password=kept.database_passwords["prefect"], connect_timeout=30).close()
 
 
 def test_status_says_authentication_is_on_and_secrets_stay_in_private_files(

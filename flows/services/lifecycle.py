@@ -130,6 +130,9 @@ def _up(
             save(services)
             postgres.start(services, secrets)
             services.pg_launch = postgres.launch(services)
+        postgres.create_databases(
+            services, secrets
+        )  # and each server's role, in a directory from before them
         for name in servers.SERVERS:
             launch = _launches(services, secrets, mlflow_workers)[name]
             record = services.servers.get(name)

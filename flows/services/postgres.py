@@ -1,10 +1,12 @@
 """The PostgreSQL cluster of `flows.services`: created, started, recognised and stopped.
 
-It always listens on 127.0.0.1 only (its clients are the Prefect and MLflow servers on this machine). With
-authentication on, every connection needs the `llamaflow` role's password (SCRAM-SHA-256, `pg_hba.conf`
-written here); the role's password is set from a SCRAM verifier computed here, so the plain password reaches
-no server, log or argument list. The servers read it from `PGPASSWORD` (libpq for MLflow, asyncpg for
-Prefect). PostgreSQL refuses to run as root: as root, the cluster belongs to an unprivileged user.
+It always listens on 127.0.0.1 only (its clients are the Prefect and MLflow servers on this machine). Each
+server connects as a role of its own (`prefect`, `mlflow`: no superuser, owner of its own databases, which
+no other role may connect to); the superuser `llamaflow` is `up`'s and the operator's. With authentication
+on, every connection needs its role's password (SCRAM-SHA-256, `pg_hba.conf` written here); passwords are
+set from SCRAM verifiers computed here, so no plain password reaches the server, a log or an argument list.
+The servers read theirs from `PGPASSWORD` (libpq for MLflow, asyncpg for Prefect). PostgreSQL refuses to
+run as root: as root, the cluster belongs to an unprivileged user.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flows.services.processes import PRIVATE_UMASK, ProcessIdentity, scrubbed_env
-from flows.services.state import DB_USER, LOOPBACK, Secrets, Services, ServicesError
+from flows.services.state import DB_USER, LOOPBACK, SERVER_DATABASES, Secrets, Services, ServicesError
 from tasks.credentials import redact, remember_secret
 
-DATABASES = ("prefect", "mlflow", "mlflow_auth")
+DATABASES = tuple(name for names in SERVER_DATABASES.values() for name in names)
 PG_PACKAGE_HINT = (
     "install the PostgreSQL server (Debian/Ubuntu: `apt-get install postgresql`; Fedora: `dnf install "
     "postgresql-server`; macOS: `brew install postgresql@15`) or put its bin/ directory on PATH"
@@ -214,7 +216,6 @@ def start(services: Services, secrets: Secrets | None) -> None:
         "start",
     ]
     _pg_run(services, start, "pg_ctl start")
-    create_databases(services, secrets)
 
 
 def connect(services: Services, secrets: Secrets | None, database: str = "postgres", **kwargs: object):
@@ -227,11 +228,54 @@ def connect(services: Services, secrets: Secrets | None, database: str = "postgr
     return psycopg.connect(services.database_url(database), password=password, **kwargs)
 
 
+# What a server's role takes over in a database created before it had one (tables, views, sequences not
+# owned by a table, types and functions the superuser made, none of an extension's): ALTER ... OWNER each.
+_HAND_OVER = """
+DO $$
+DECLARE r record;
+BEGIN
+  FOR r IN SELECT c.oid::regclass AS name, c.relkind FROM pg_class c
+           JOIN pg_namespace n ON n.oid = c.relnamespace
+           WHERE n.nspname = 'public' AND c.relowner = '{old}'::regrole AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+             AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = c.oid AND d.deptype IN ('a', 'i', 'e'))
+  LOOP
+    EXECUTE format('ALTER %s %s OWNER TO {new}', CASE r.relkind WHEN 'v' THEN 'VIEW'
+      WHEN 'm' THEN 'MATERIALIZED VIEW' WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, r.name);
+  END LOOP;
+  FOR r IN SELECT t.oid::regtype AS name FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+           WHERE n.nspname = 'public' AND t.typowner = '{old}'::regrole AND t.typtype IN ('e', 'd')
+             AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = t.oid AND d.deptype = 'e')
+  LOOP
+    EXECUTE format('ALTER TYPE %s OWNER TO {new}', r.name);
+  END LOOP;
+  FOR r IN SELECT p.oid::regprocedure AS name FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+           WHERE n.nspname = 'public' AND p.proowner = '{old}'::regrole
+             AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = p.oid AND d.deptype = 'e')
+  LOOP
+    EXECUTE format('ALTER ROUTINE %s OWNER TO {new}', r.name);
+  END LOOP;
+END $$;
+"""
+
+
 def create_databases(services: Services, secrets: Secrets | None) -> None:
+    """Each server's role (a login, not a superuser; its password set from a SCRAM verifier) and its
+    databases, which it owns and no other role may connect to. Databases made before the roles existed
+    are handed over with everything the superuser had created in them. Run by every `up`."""
     with connect(services, secrets, autocommit=True) as conn:
-        for name in DATABASES:
-            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
-                conn.execute(f'CREATE DATABASE "{name}"')
+        for role, databases in SERVER_DATABASES.items():
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            password = f" PASSWORD '{scram_verifier(secrets.database_passwords[role])}'" if secrets else ""
+            verb = "ALTER" if exists else "CREATE"
+            conn.execute(f'{verb} ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE{password}')
+            for name in databases:
+                if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+                    conn.execute(f'CREATE DATABASE "{name}" OWNER "{role}"')
+                else:
+                    conn.execute(f'ALTER DATABASE "{name}" OWNER TO "{role}"')
+                    with connect(services, secrets, name, autocommit=True) as inside:
+                        inside.execute(_HAND_OVER.format(old=DB_USER, new=role))
+                conn.execute(f'REVOKE CONNECT ON DATABASE "{name}" FROM PUBLIC')
 
 
 def stop(services: Services) -> None:

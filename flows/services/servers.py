@@ -81,7 +81,7 @@ def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
     args = [prefect, "server", "start", "--host", services.host, "--port", str(services.prefect_port)]
     env = {
         "PREFECT_HOME": str(root / "prefect"),
-        "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg", user="prefect"),
         # The UI's own calls to the API: the address browsers reach, not the one the server binds.
         "PREFECT_UI_API_URL": services.prefect_api_url,
         # Not Prefect's default `*`: a page the operator opens elsewhere must not reach the API from the
@@ -91,7 +91,7 @@ def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
     secret_env = {}
     if secrets is not None:
         secret_env = {
-            "PGPASSWORD": secrets.postgres_password,
+            "PGPASSWORD": secrets.database_passwords["prefect"],
             "PREFECT_SERVER_API_AUTH_STRING": secrets.prefect_auth_string,
         }
     health = f"http://{_probe_host(services)}:{services.prefect_port}/api/health"
@@ -109,7 +109,7 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         "--port",
         str(services.mlflow_port),
         "--backend-store-uri",
-        services.database_url("mlflow", "psycopg"),
+        services.database_url("mlflow", "psycopg", user="mlflow"),
         "--serve-artifacts",
         "--artifacts-destination",
         str(root / "mlflow-artifacts"),
@@ -133,7 +133,7 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         ROLES_VARIABLE: str(root / ROLES_FILE),
     }
     secret_env = {
-        "PGPASSWORD": secrets.postgres_password,
+        "PGPASSWORD": secrets.database_passwords["mlflow"],
         "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.mlflow_admin_password,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.mlflow_flask_secret_key,
     }
@@ -164,7 +164,7 @@ def _auth_config(services: Services) -> str:
     return (
         "[mlflow]\n"
         f"default_permission = {DEFAULT_PERMISSION}\n"
-        f"database_uri = {services.database_url('mlflow_auth', 'psycopg')}\n"
+        f"database_uri = {services.database_url('mlflow_auth', 'psycopg', user='mlflow')}\n"
         f"admin_username = {ADMIN_USER}\n"
         f"authorization_function = {POLICY_FUNCTION}\n"
         "auth_cache_ttl_seconds = 60\n"

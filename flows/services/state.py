@@ -29,7 +29,9 @@ ROLES_FILE = "mlflow-roles.json"
 LOCK_FILE = ".lock"
 ENV_FILE = "env.sh"
 USERS_DIR = "users"
-DB_USER = "llamaflow"
+DB_USER = "llamaflow"  # the cluster's superuser: `up` and the operator's tools only
+# Each server's own database role (no superuser, owner of its databases only) and those databases.
+SERVER_DATABASES = {"prefect": ("prefect",), "mlflow": ("mlflow", "mlflow_auth")}
 ADMIN_USER = "admin"
 LOOPBACK = "127.0.0.1"
 
@@ -90,10 +92,10 @@ class Services:
     def prefect_ui_url(self) -> str:
         return self.prefect_api_url.removesuffix("/api")
 
-    def database_url(self, database: str, driver: str = "") -> str:
-        """PostgreSQL on loopback, without a password (the servers read it from PGPASSWORD)."""
+    def database_url(self, database: str, driver: str = "", user: str = DB_USER) -> str:
+        """PostgreSQL on loopback as `user`, without a password (the servers read it from PGPASSWORD)."""
         scheme = f"postgresql+{driver}" if driver else "postgresql"
-        return f"{scheme}://{DB_USER}@{LOOPBACK}:{self.pg_port}/{database}"
+        return f"{scheme}://{user}@{LOOPBACK}:{self.pg_port}/{database}"
 
     def client_env(self, mlflow_user: str | None = ADMIN_USER, prefect: bool = True) -> dict[str, str]:
         """What a client needs: the two URLs and, with authentication on, the credentials in the variables
@@ -122,6 +124,7 @@ class Secrets:
     mlflow_users: dict[str, str] = field(default_factory=dict)
     promoters: list[str] = field(default_factory=list)  # users who may move aliases (`add-user --promoter`)
     readers: list[str] = field(default_factory=list)  # users who only read (`add-user --read-only`)
+    database_passwords: dict[str, str] = field(default_factory=dict)  # each server's database role's
 
     @staticmethod
     def generate() -> str:
@@ -137,14 +140,19 @@ class Secrets:
     @classmethod
     def load_or_create(cls, root: Path) -> Secrets:
         if (root / SECRETS_FILE).is_file():
-            return cls.load(root)
-        kept = cls(
-            postgres_password=cls.generate(),
-            prefect_auth_string=f"{ADMIN_USER}:{cls.generate()}",
-            mlflow_admin_password=cls.generate(),
-            mlflow_flask_secret_key=cls.generate(),
-        )
-        kept.save(root)
+            kept = cls.load(root)
+        else:
+            kept = cls(
+                postgres_password=cls.generate(),
+                prefect_auth_string=f"{ADMIN_USER}:{cls.generate()}",
+                mlflow_admin_password=cls.generate(),
+                mlflow_flask_secret_key=cls.generate(),
+            )
+        missing = [role for role in SERVER_DATABASES if role not in kept.database_passwords]
+        for role in missing:  # a directory from before the servers had roles of their own gets them
+            kept.database_passwords[role] = cls.generate()
+        if missing or not (root / SECRETS_FILE).is_file():
+            kept.save(root)
         return kept
 
     def save(self, root: Path) -> None:
