@@ -150,6 +150,7 @@ def remote_train(
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     if settings.nnodes > 1:
+        settings = settings.model_copy(update={"node_rank": node})  # node 0 hosts the rendezvous store
         if node == 0:
             settings = nodes.open_rendezvous(settings, run_dir, model, dataset, flow_run_id)
         elif node0_flow_run is None:
