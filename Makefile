@@ -5,6 +5,8 @@
 #                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export.
 #                HOST=0.0.0.0 (or an address) listens beyond loopback, which turns authentication on;
 #                AUTH=1 turns it on for loopback too. Credentials: SERVICES_DIR/env.sh (mode 0600).
+#   make gpu-wheels   the cp312 wheels benchmarks/gpu_check.py needs beyond the GPU image (pydantic and its
+#                dependencies), into the git-ignored .whl/ (the check's header has the command to run there)
 #   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m")
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -14,7 +16,7 @@ TORCH_CONSTRAINT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constrai
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train tiny test lint bench clean services services-down services-user
+.PHONY: install train tiny test lint bench clean services services-down services-user gpu-wheels
 SERVICES_DIR ?=
 HOST ?=
 AUTH ?=
@@ -46,6 +48,16 @@ lint: $(STAMP)
 
 test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
+
+# The GPU machines' image: Python 3.12, torch, transformers, tokenizers, safetensors, numpy; no pydantic.
+# Its requirement (the version bound) is read from pyproject.toml, so the wheels match what the code needs.
+GPU_WHEELS ?= pydantic
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --dest .whl --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+		$$($(PYTHON) -c "import re, sys, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+		print(' '.join(d for d in deps if re.split('[<>=!~ ;\\[]', d)[0] in sys.argv[1:]))" $(GPU_WHEELS))
+	@ls .whl
 
 services: $(STAMP)
 	$(VENV)/bin/python -m flows.services up $(SERVICES_UP_ARGS)
