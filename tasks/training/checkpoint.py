@@ -319,15 +319,20 @@ def _manifest_problem(path: Path) -> tuple[str | None, list[str]]:
     return None, names
 
 
-def newest_valid_checkpoint(run_dir: Path, dist: DistContext = _ONE) -> Path | None:
-    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning.
-    A collective with `dist` (the main rank lists the candidates; every rank gets the same answer)."""
+def newest_valid_checkpoint(
+    run_dir: Path, dist: DistContext = _ONE, problems: dict[Path, str] | None = None
+) -> Path | None:
+    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning
+    (and their problem put into `problems`). A collective with `dist` (the main rank lists the candidates;
+    every rank gets the same answer)."""
     candidates = [str(path) for _, path in reversed(checkpoint_dirs(run_dir))]
     for path in map(Path, dist.broadcast_object(candidates)):  # type: ignore[arg-type]
         problem = checkpoint_problem(path, dist)
         if problem is None:
             _remember_valid(path)
             return path
+        if problems is not None:
+            problems[path] = problem
         if dist.is_main:
             warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
     return None
