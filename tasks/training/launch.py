@@ -99,6 +99,10 @@ def check_launch(settings: TrainSettings) -> None:
             "head node, a Kubernetes headless service), the same on every node; with placement='deployment' "
             "the pretrain flow has node 0 publish one"
         )
+    if settings.nnodes > 1 and settings.node_rank >= settings.nnodes:
+        raise TrainingInputError(
+            f"node_rank={settings.node_rank} must be below nnodes={settings.nnodes} (node 0 is the first)"
+        )
     rendezvous.local_address(settings)  # a loopback address across machines is refused here
 
 

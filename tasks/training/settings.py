@@ -205,10 +205,6 @@ class TrainSettings(BaseModel):
                 raise ValueError(
                     f"rdzv_endpoint must be host:port (e.g. node0.cluster:29500), got {self.rdzv_endpoint!r}"
                 )
-        if self.node_rank >= self.nnodes:
-            raise ValueError(
-                f"node_rank={self.node_rank} must be below nnodes={self.nnodes} (node 0 is the first)"
-            )
         if self.eval_every % self.log_every:
             raise ValueError(
                 f"eval_every={self.eval_every} must be a multiple of log_every={self.log_every}: the scores are "
