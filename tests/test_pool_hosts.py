@@ -20,9 +20,9 @@ from mlflow.tracking import MlflowClient
 
 from hosts import Cluster, cluster_for_test
 from prefect_server import PREFECT_CLI, TINY_RUN, shared_checkout_prefect_file, stop_process_tree, tail
+from stdlib_corpus import STDLIB
 
 REPO = Path(__file__).resolve().parents[1]
-STDLIB = Path(json.__file__).resolve().parents[1]
 PORT = 4200  # inside the head's own network namespace: nothing else listens there
 # The pretrain run, on the head (the test's own process is on none of the hosts).
 PRETRAIN = """
