@@ -145,6 +145,27 @@ def test_a_node_whose_address_is_loopback_is_refused_naming_the_variable_that_fi
         assert time.monotonic() - started < 30
 
 
+def test_node_0_on_a_machine_the_endpoint_does_not_name_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 0 hosts the store at the endpoint; started elsewhere (a pool worker on another host took node
+    0's run, a hand-started job mixed up), every node would wait out the rendezvous. Refused before any work."""
+    with cluster_for_test(tmp_path, ["head", "node1"]) as hosts:
+        env = _inputs(hosts, monkeypatch)
+        settings = _settings(f"{hosts['head'].address}:29513", 0, rdzv_timeout_s=5)
+        started = time.monotonic()
+        node1 = _start(hosts, "node1", settings, env, tmp_path / "node1.log")
+        node1.wait(timeout=120)
+        output = (tmp_path / "node1.log").read_text()
+        assert node1.returncode == 3, output[-3000:]
+        assert (
+            "node 0 hosts the rendezvous store at rdzv_endpoint=198.18.0.1:29513, but 198.18.0.1 is not this"
+            in output
+        )
+        assert "start node 0 (node_rank=0) on the machine that endpoint names" in output
+        assert time.monotonic() - started < 30
+
+
 def test_a_node_waits_for_node_0s_store_as_long_as_rdzv_timeout_s_not_torchs_default(tmp_path: Path) -> None:
     """torch's own wait for the store (its c10d `read_timeout`, 60 s, then a retry after a random backoff:
     60-120 s in all) is replaced by rdzv_timeout_s: short here, so the bound shows in seconds; long in

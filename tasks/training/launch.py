@@ -103,6 +103,15 @@ def check_launch(settings: TrainSettings) -> None:
         raise TrainingInputError(
             f"node_rank={settings.node_rank} must be below nnodes={settings.nnodes} (node 0 is the first)"
         )
+    if settings.nnodes > 1 and settings.node_rank == 0:
+        host, _ = rendezvous.split_endpoint(settings.rdzv_endpoint)
+        if not rendezvous.is_this_machine(host):
+            raise TrainingInputError(
+                f"node 0 hosts the rendezvous store at rdzv_endpoint={settings.rdzv_endpoint}, but {host} is not "
+                "this machine: start node 0 (node_rank=0) on the machine that endpoint names, or give the "
+                "endpoint of this one; with placement='deployment' leave rdzv_endpoint unset and node 0 "
+                "publishes its own"
+            )
     rendezvous.local_address(settings)  # a loopback address across machines is refused here
 
 

@@ -105,6 +105,19 @@ def local_address(settings: TrainSettings) -> str | None:
     return local
 
 
+def is_this_machine(host: str) -> bool:
+    """Whether `host` (a name or an address) is an address of this machine: one it can bind to."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        with contextlib.suppress(OSError), socket.socket(family, kind, proto) as probe:
+            probe.bind((address[0], 0))
+            return True
+    return False
+
+
 def transport_env(settings: TrainSettings, env: dict[str, str]) -> dict[str, str]:
     """Where the workers' gloo connections go: the interface holding this node's address. gloo otherwise
     binds to what this machine's hostname resolves to, on a Debian host 127.0.1.1, which the other nodes
