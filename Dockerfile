@@ -29,12 +29,13 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/llamaflow
 
 # The dependencies, in their own layer: rebuilt only when pyproject.toml changes. The CUDA torch comes from
-# PyPI (no constraints file: that one pins the CPU wheel).
-COPY pyproject.toml README.md ./
+# PyPI, pinned to the version CI tests (constraints-cpu.txt's, without its +cpu: the CUDA build of it).
+COPY pyproject.toml README.md constraints-cpu.txt ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 x = p['optional-dependencies']; print('\n'.join(p['dependencies'] + x['postgres'] + x['gpu']))" \
     > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt "setuptools>=70.1" prefect-docker prefect-kubernetes
+    && sed 's/+cpu$//' constraints-cpu.txt > /tmp/torch-pin.txt \
+    && pip install -c /tmp/torch-pin.txt -r /tmp/requirements.txt "setuptools>=70.1" prefect-docker prefect-kubernetes
 
 # The project at the image's own commit, for deployments that run it without a pull step.
 COPY flows flows

@@ -7,6 +7,8 @@
 #                HOST=0.0.0.0 (or an address) listens beyond loopback. Credentials: SERVICES_DIR/env.sh (0600).
 #   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m";
 #                ROLE=promoter: may also move aliases, for the registering flow; ROLE=reader: reads only)
+#   make gpu-wheels   the cp312 wheels benchmarks/gpu_check.py needs beyond the GPU image (pydantic and its
+#                dependencies), into the git-ignored .whl/ (the check's header has the command to run there)
 PYTHON ?= python3.11
 VENV ?= .venv
 # CPU machines take PyTorch's CPU wheel; a CUDA machine (nvidia-smi present) takes the CUDA build.
@@ -15,7 +17,7 @@ TORCH_CONSTRAINT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constrai
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train tiny test lint bench clean services services-down services-user
+.PHONY: install train tiny test lint bench clean services services-down services-user gpu-wheels
 SERVICES_DIR ?=
 HOST ?=
 NO_AUTH ?=
@@ -48,6 +50,16 @@ lint: $(STAMP)
 
 test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
+
+# The GPU machines' image: Python 3.12, torch, transformers, tokenizers, safetensors, numpy; no pydantic.
+# Its requirement (the version bound) is read from pyproject.toml, so the wheels match what the code needs.
+GPU_WHEELS ?= pydantic
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --dest .whl --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+		$$($(PYTHON) -c "import re, sys, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+		print(' '.join(d for d in deps if re.split('[<>=!~ ;\\[]', d)[0] in sys.argv[1:]))" $(GPU_WHEELS))
+	@ls .whl
 
 services: $(STAMP)
 	$(VENV)/bin/python -m flows.services up $(SERVICES_UP_ARGS)

@@ -11,10 +11,14 @@ Prints, and writes to benchmarks/results/gpu_check[_cpu_smoke].json:
   4. a 50-step engine run under torchrun with 1 process, with data_parallel=ddp and with fsdp (FSDP2 on
      one GPU), their loss curves compared and their tokens/s.
 
-Needs, on the GPU machine: torch (CUDA), transformers, tokenizers, safetensors, and what they bring
-(numpy, tqdm); no Prefect, no MLflow. The engine's settings need pydantic: bring its wheels (pydantic,
-pydantic-core, annotated-types, typing-inspection, typing-extensions; `pip download pydantic` on a
-machine with internet) and install them with `pip install --no-index *.whl`. Run from the repository root.
+Needs, on the GPU machine: torch (CUDA), transformers, tokenizers, safetensors, numpy, and pydantic (the
+engine's settings); no Prefect, MLflow or psutil (tests/test_gpu_check.py runs --cpu-smoke with them
+hidden). The GPU image lacks pydantic and cannot download: `make gpu-wheels` puts its cp312 wheels into the
+git-ignored .whl/ here; carry .whl/ along and run there, from the repository root:
+
+    for w in .whl/*.whl; do python3 -m zipfile -e "$w" .whl/site; done && PYTHONPATH=.whl/site python3 benchmarks/gpu_check.py
+
+(wheels are zip archives: unpacked onto PYTHONPATH they import without pip or an install.)
 """
 
 from __future__ import annotations
@@ -256,6 +260,7 @@ def main() -> None:
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="tiny shapes on CPU: check that the script runs"
     )
+    parser.add_argument("--out", type=Path, default=None, help="where to write the JSON report")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, preset, batch, seq, steps, engine_steps = torch.device("cpu"), "tiny", 2, 64, 2, 5
@@ -289,7 +294,7 @@ def main() -> None:
             f"[gpu_check] engine ({time.perf_counter() - t0:.0f} s): {json.dumps(report['engine_torchrun_1_process'])}"
         )
     report["total_s"] = time.perf_counter() - started
-    out = (
+    out = args.out or (
         ROOT / "benchmarks" / "results" / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
     )
     out.write_text(json.dumps(report, indent=2) + "\n")

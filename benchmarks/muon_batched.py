@@ -13,6 +13,7 @@ variants take turns, round by round, in one process; the first call of each is n
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -24,15 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-# torch.optim.Muon's own constants and learning-rate rule, so that both variants compute the same update.
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr  # noqa: E402
-
 from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, set_threads, write_json  # noqa: E402
 from flows.pretrain_config import PretrainConfig  # noqa: E402
 from model import LlamaForPretraining  # noqa: E402
+from tasks.training.muon import adjusted_lr  # noqa: E402
 from tasks.training.optim import parameter_roles  # noqa: E402
 
-NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+# torch.optim.Muon's own constants and learning-rate rule, so that both variants compute the same update.
+_MUON_DEFAULTS = inspect.signature(torch.optim.Muon).parameters
+NS_COEFFICIENTS = _MUON_DEFAULTS["ns_coefficients"].default
+EPS = _MUON_DEFAULTS["eps"].default
 
 
 def orthogonalise_batched(updates: torch.Tensor, steps: int) -> torch.Tensor:
@@ -68,7 +70,7 @@ def batched_muon_step(
         ortho = orthogonalise(torch.stack(stack), steps)
         for k, i in enumerate(indices):
             o = ortho[k].mT if params[i].size(0) > params[i].size(1) else ortho[k]
-            params[i].add_(o, alpha=-_adjust_lr(lr, adjust_lr_fn, params[i].shape))
+            params[i].add_(o, alpha=-adjusted_lr(lr, adjust_lr_fn, params[i].shape))
 
 
 def main() -> None:

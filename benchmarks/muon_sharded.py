@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: E402
 
 from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, run_ranks, write_json  # noqa: E402
 from model import LlamaConfig, get_preset, load_pretrained  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.training.distributed import leave_process_group  # noqa: E402
 from tasks.training.loss import LossHead  # noqa: E402
+from tasks.training.muon import newton_schulz  # noqa: E402
 from tasks.training.optim import build_optimizer, parameter_roles  # noqa: E402
 from tasks.training.parallelize import parallelize  # noqa: E402
 from tasks.training.settings import TrainSettings  # noqa: E402
@@ -83,7 +83,7 @@ def rank_side(weights: Path, steps: int, out: Path) -> None:
 
     def own_share() -> None:
         for matrix in owned:
-            _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     report["own_newton_schulz_s"] = timed(own_share, steps)
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -16,7 +16,7 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
@@ -28,7 +28,7 @@ from flows.pretrain_config import PretrainConfig
 from flows.result import PretrainResult, print_summary
 from model import LlamaConfig
 from tasks import refs
-from tasks.build import build_model_task
+from tasks.build import build_model
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.init_from import resolve_for_run_task
@@ -36,6 +36,9 @@ from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
+
+# The engine-side build stays free of Prefect (benchmarks/gpu_check.py runs where Prefect is not installed).
+build_model_task = task(build_model, name="build_model")
 
 
 @flow(

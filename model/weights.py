@@ -207,3 +207,19 @@ def load_pretrained(
     else:
         load_weights(model, weights)
     return model
+
+
+# Parameters with one row per token id (a tied output head is stored as the embedding).
+_ROW_PER_TOKEN = ("model.embed_tokens.weight", "lm_head.weight")
+_ROW_PER_TOKEN_PREFIXES = ("model.value_embeds.",)
+
+
+def grow_rows(state: Mapping[str, torch.Tensor], old: int, new: int) -> dict[str, torch.Tensor]:
+    """`state` with every per-token table grown from `old` to `new` rows, each new row the mean of the old."""
+    grown = dict(state)
+    for name, tensor in state.items():
+        per_token = name in _ROW_PER_TOKEN or name.startswith(_ROW_PER_TOKEN_PREFIXES)
+        if per_token and tensor.shape[0] == old and new > old:
+            mean = tensor.float().mean(dim=0, keepdim=True).to(tensor.dtype)
+            grown[name] = torch.cat([tensor, mean.expand(new - old, *tensor.shape[1:])])
+    return grown

@@ -3,7 +3,7 @@
 From scratch: the architecture's random initialisation from the seed. From a parent (`init_from`, resolved
 by `tasks.init_from` to a ParentRef): the parent's weights, loaded strictly into the plain module of
 `model_config` (the parent's architecture, maybe with more embedding rows for added tokens: those rows
-start as the mean of the parent's, `tasks.init_from.vocab.grow_rows`). Compilation happens only in the
+start as the mean of the parent's, `model.weights.grow_rows`). Compilation happens only in the
 processes that train or evaluate, always after loading (`model.load_pretrained`).
 """
 
@@ -14,14 +14,12 @@ import json
 from pathlib import Path
 
 import torch
-from prefect import task
 from safetensors.torch import load_file
 
 from model import LlamaConfig, LlamaForPretraining, count_params, save_weights
 from model.atomic import atomic_dir
-from model.weights import CONFIG_FILE, WEIGHTS_FILE, load_state
+from model.weights import CONFIG_FILE, WEIGHTS_FILE, grow_rows, load_state
 from tasks.home import cache_dir
-from tasks.init_from.vocab import grow_rows
 from tasks.refs import ModelRef, ParentRef
 
 
@@ -56,6 +54,3 @@ def build_model(model_config: LlamaConfig, *, seed: int, parent: ParentRef | Non
     return ModelRef(
         path=str(out), fingerprint=fingerprint, n_params=count_params(model_config), parent=parent
     )
-
-
-build_model_task = task(build_model, name="build_model")

@@ -25,7 +25,7 @@ from tasks.training import TrainSettings, fit, read_metrics
 from tasks.training import optim as optim_module
 from tasks.training.distributed import leave_process_group
 from tasks.training.loss import LossHead, count_targets
-from tasks.training.muon import ShardedMuon
+from tasks.training.muon import ShardedMuon, adjusted_lr, newton_schulz
 from tasks.training.optim import build_optimizer, parameter_roles
 from tasks.training.parallelize import parallelize
 
@@ -46,13 +46,11 @@ class PerShardMuon(ShardedMuon):
             local, grad = param.to_local(), param.grad.to_local()
             buf = self.state[param].setdefault("momentum_buffer", torch.zeros_like(grad))
             buf.lerp_(grad, 1 - group["momentum"])
-            update = torch.optim._muon._zeropower_via_newtonschulz(
+            update = newton_schulz(
                 grad.lerp(buf, group["momentum"]), group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
             local.mul_(1 - group["lr"] * group["weight_decay"])
-            local.add_(
-                update, alpha=-torch.optim._muon._adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape)
-            )
+            local.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], param.shape))
 
 
 def one_step_on_ranks(model_dir: Path, out: Path) -> None:

@@ -130,6 +130,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "max_restarts": 2,
     "rdzv_endpoint": "127.0.0.1:29400",
     "rdzv_id": "another-job",
+    "node_rank": 1,
     "rdzv_timeout_s": 60,
     "process_group_timeout_min": 5.0,
     "stop_grace_s": 30,

@@ -144,20 +144,21 @@ def remote_train(
     apply_embedded_defaults()
     tracking_uri = resolve_tracking_uri(tracking_uri)
     run_dir = home.local(run_dir)  # `$LLAMAFLOW_HOME/runs/...`: in this worker's home
-    fetched = _check_inputs(model, dataset, run_id, tracking_uri)
-    if fetched:
-        get_run_logger().info(f"fetched {' and '.join(fetched)} from MLflow run {run_id} (no shared disk)")
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else "local"
     if settings.nnodes > 1:
-        if node == 0:
-            settings = nodes.open_rendezvous(settings, run_dir, model, dataset, flow_run_id)
-        elif node0_flow_run is None:
+        settings = settings.model_copy(update={"node_rank": node})  # node 0 hosts the rendezvous store
+        if node != 0 and node0_flow_run is None:
             raise nodes.NodeError(
                 f"node {node} of {settings.nnodes} needs node0_flow_run (node 0's flow run id)"
             )
-        else:
+        if node != 0:  # before any download: a node that does not share node 0's storage is refused first
             settings = nodes.join_rendezvous(settings, run_dir, model, dataset, node, node0_flow_run)
+    fetched = _check_inputs(model, dataset, run_id, tracking_uri)
+    if fetched:
+        get_run_logger().info(f"fetched {' and '.join(fetched)} from MLflow run {run_id} (no shared disk)")
+    if settings.nnodes > 1 and node == 0:
+        settings = nodes.open_rendezvous(settings, run_dir, model, dataset, flow_run_id)
     with _tracking_uri(tracking_uri):
         checkpoint = train_task.with_options(retries=retries)(
             model, dataset, settings, run_dir, run_id=run_id if node == 0 else None

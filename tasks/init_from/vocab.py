@@ -4,18 +4,11 @@ the existing ones. Nothing is ever resized silently."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
 from tokenizers import Tokenizer
 
 from model import LlamaConfig
 from tasks.init_from.parent_cache import InitFromError
 from tasks.refs import ParentRef, TokenizerRef
-
-# Parameters with one row per token id (a tied output head is stored as the embedding).
-_ROW_PER_TOKEN = ("model.embed_tokens.weight", "lm_head.weight")
-_ROW_PER_TOKEN_PREFIXES = ("model.value_embeds.",)
 
 
 def embedding_rows(tokenizer: TokenizerRef, parent: ParentRef, config: LlamaConfig, resize: bool) -> int:
@@ -61,14 +54,3 @@ def check_positions(seq_len: int, config: LlamaConfig, source: str) -> None:
             f"from init_from={source!r}: lower seq_len, or raise them with "
             f"model_overrides={{'max_position_embeddings': {seq_len}}}"
         )
-
-
-def grow_rows(state: Mapping[str, torch.Tensor], old: int, new: int) -> dict[str, torch.Tensor]:
-    """`state` with every per-token table grown from `old` to `new` rows, each new row the mean of the old."""
-    grown = dict(state)
-    for name, tensor in state.items():
-        per_token = name in _ROW_PER_TOKEN or name.startswith(_ROW_PER_TOKEN_PREFIXES)
-        if per_token and tensor.shape[0] == old and new > old:
-            mean = tensor.float().mean(dim=0, keepdim=True).to(tensor.dtype)
-            grown[name] = torch.cat([tensor, mean.expand(new - old, *tensor.shape[1:])])
-    return grown

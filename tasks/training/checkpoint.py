@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -171,20 +172,55 @@ def _fill(
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
     del whole
     dist.barrier()  # every rank's files are written
-    pieces = [(name, i) for name in _files(tmp) for i in range(_chunks((tmp / name).stat().st_size))]
-    shares = dist.gather_object(
-        {piece: _chunk_sha256(tmp / piece[0], piece[1]) for piece in _share(pieces, dist)}
-    )
+    write_manifest(tmp, step, dist)
+
+
+def write_manifest(tmp: Path, step: int, dist: DistContext = _ONE) -> None:
+    """`manifest.json` (written last: a directory without a manifest that matches is never resumed from),
+    once every rank has written its files. A collective: the work list (files and chunks) is the main
+    rank's, sent to all, and each rank hashes its share of it; ranks that list the directory differently
+    (NFS clients) would otherwise hash shares of different lists, and the manifest could never validate."""
+    seen = dist.gather_object(_files(tmp))  # every rank sees at least the files it wrote itself
+    pieces = None
     if dist.is_main:
-        assert shares is not None
-        digests: dict[str, list[str]] = {}
-        for (name, _), digest in sorted(kv for share in shares for kv in share.items()):  # type: ignore[union-attr]
-            digests.setdefault(name, []).append(digest)
-        # A file of one chunk has one digest (its sha256), a larger one the list of its chunks' digests.
-        checksums = {name: d[0] if len(d) == 1 else d for name, d in digests.items()}
-        # Written last: a directory without a manifest that matches is never resumed from.
-        manifest = {"step": step, "sha256": checksums}
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        names = sorted(set().union(*seen))  # type: ignore[arg-type, misc]
+        pieces = [(name, i) for name in names for i in range(_chunks(_size_when_visible(tmp / name)))]
+    pieces = dist.broadcast_object(pieces)
+    shares = dist.gather_object(
+        {piece: _chunk_sha256(tmp / piece[0], piece[1]) for piece in _share(pieces, dist)}  # type: ignore[arg-type]
+    )
+    if not dist.is_main:
+        return
+    hashed = {piece: digest for share in shares for piece, digest in share.items()}  # type: ignore[union-attr]
+    missing = [piece for piece in pieces if piece not in hashed]  # type: ignore[union-attr]
+    if missing:
+        raise RuntimeError(f"checkpoint {tmp}: no rank hashed {missing[:5]}")
+    digests: dict[str, list[str]] = {}
+    for (name, _), digest in sorted(hashed.items()):
+        digests.setdefault(name, []).append(digest)
+    # A file of one chunk has one digest (its sha256), a larger one the list of its chunks' digests.
+    checksums = {name: d[0] if len(d) == 1 else d for name, d in digests.items()}
+    lacking = [n for n in (*REQUIRED_FILES, *map(rng_file, range(dist.world_size))) if n not in checksums]
+    if lacking or not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in checksums):
+        raise RuntimeError(
+            f"checkpoint {tmp} is incomplete: {', '.join(lacking) or 'no optimizer state'} not written; the "
+            "checkpoint is not published"
+        )
+    (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
+
+
+def _size_when_visible(path: Path, wait_s: float = 60.0) -> int:
+    """The size of a file another rank wrote, waiting (bounded) until this node's view of a shared file
+    system shows it (an NFS client caches a missing name for up to a minute; listing asks again)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise
+            os.listdir(path.parent)
+            time.sleep(0.5)
 
 
 def _files(root: Path) -> list[str]:
@@ -319,15 +355,20 @@ def _manifest_problem(path: Path) -> tuple[str | None, list[str]]:
     return None, names
 
 
-def newest_valid_checkpoint(run_dir: Path, dist: DistContext = _ONE) -> Path | None:
-    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning.
-    A collective with `dist` (the main rank lists the candidates; every rank gets the same answer)."""
+def newest_valid_checkpoint(
+    run_dir: Path, dist: DistContext = _ONE, problems: dict[Path, str] | None = None
+) -> Path | None:
+    """The newest checkpoint whose files match their checksums; corrupt ones are skipped with a warning
+    (and their problem put into `problems`). A collective with `dist` (the main rank lists the candidates;
+    every rank gets the same answer)."""
     candidates = [str(path) for _, path in reversed(checkpoint_dirs(run_dir))]
     for path in map(Path, dist.broadcast_object(candidates)):  # type: ignore[arg-type]
         problem = checkpoint_problem(path, dist)
         if problem is None:
             _remember_valid(path)
             return path
+        if problems is not None:
+            problems[path] = problem
         if dist.is_main:
             warnings.warn(f"skipping checkpoint {path}: {problem}", RuntimeWarning, stacklevel=2)
     return None

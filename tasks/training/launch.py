@@ -6,6 +6,7 @@ Either way the run directory is locked for the job's whole life (`tasks.training
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from tasks.training.settings import TrainSettings
 
 SPEC_FILE = "torchrun_spec.json"
 RESULT_FILE = "torchrun_result.json"
+# How long a node whose torchrun succeeded waits to see rank 0's result (NFS caches a missing file ~60 s).
+RESULT_WAIT_S = 90.0
 
 
 class WorkerSpec(BaseModel):
@@ -96,6 +99,20 @@ def check_launch(settings: TrainSettings) -> None:
             "head node, a Kubernetes headless service), the same on every node; with placement='deployment' "
             "the pretrain flow has node 0 publish one"
         )
+    if settings.nnodes > 1 and settings.node_rank >= settings.nnodes:
+        raise TrainingInputError(
+            f"node_rank={settings.node_rank} must be below nnodes={settings.nnodes} (node 0 is the first)"
+        )
+    if settings.nnodes > 1 and settings.node_rank == 0:
+        host, _ = rendezvous.split_endpoint(settings.rdzv_endpoint)
+        if not rendezvous.is_this_machine(host):
+            raise TrainingInputError(
+                f"node 0 hosts the rendezvous store at rdzv_endpoint={settings.rdzv_endpoint}, but {host} is not "
+                "this machine: start node 0 (node_rank=0) on the machine that endpoint names, or give the "
+                "endpoint of this one; with placement='deployment' leave rdzv_endpoint unset and node 0 "
+                "publishes its own"
+            )
+    rendezvous.local_address(settings)  # a loopback address across machines is refused here
 
 
 def _fit_with_torchrun(
@@ -130,6 +147,7 @@ def _fit_with_torchrun(
     # Workers get a TCP store of their own per rendezvous round, not the agent's: with the shared one a
     # restarted group reads the dead group's addresses and cannot connect (pytorch issues 135712, 167288).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(rendezvous.transport_env(settings, env))
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="llamaflow-torchrun-") as scratch:
         # torchrun's agent writes the exception it ends with here (a rendezvous timeout, failed workers).
@@ -160,11 +178,27 @@ def _fit_with_torchrun(
             f"training stopped by a stop request (torchrun exit code {process.returncode}); rerun with the same "
             f"checkpoint_dir ({run_dir}) to resume from its newest checkpoint"
         )
-    if process.returncode != 0 or not result_path.is_file():
+    result = read_result(result_path, RESULT_WAIT_S) if process.returncode == 0 else None
+    if result is None:
         raise TrainingError(
             rendezvous.failure_message(settings, run_dir, agent_error, process.returncode, started)
         )
-    return CheckpointRef.model_validate_json(result_path.read_text())
+    return result
+
+
+def read_result(path: Path, wait_s: float) -> CheckpointRef | None:
+    """The result global rank 0 wrote, waiting up to `wait_s` for it to show. Rank 0 may run on another
+    node, and an NFS client that looked the file up before it existed (this launcher removed it at start)
+    keeps that negative answer cached for up to a minute: listing the directory makes the client ask again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            os.listdir(path.parent)
+        with contextlib.suppress(FileNotFoundError):
+            return CheckpointRef.model_validate_json(path.read_text())
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)
 
 
 class MetricsForwarder:

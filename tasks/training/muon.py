@@ -5,7 +5,8 @@ matrix function, the Newton-Schulz orthogonalisation. Under FSDP2 each rank hold
 matrix (`Shard(0)`), and orthogonalising a block of rows is not the block of rows of the orthogonalised
 matrix. So here the elementwise work runs on each rank's rows, while each matrix's update is gathered whole
 on one owner rank (matrices dealt round-robin over the ranks, as in "Muon is Scalable for LLM Training",
-Liu et al. 2025), orthogonalised there by torch's own Newton-Schulz, and its rows scattered back: per
+Liu et al. 2025), orthogonalised there by `newton_schulz` (the iteration torch.optim.Muon runs, written here:
+torch's own function is private and changes between releases), and its rows scattered back: per
 matrix one gather and one scatter of its size, and each rank computes 1/world of the orthogonalisations.
 
 The state (`momentum_buffer`) and hyperparameters are torch.optim.Muon's: checkpoints move between DDP and
@@ -14,12 +15,12 @@ FSDP2 runs. Cost measured in benchmarks/results/muon_sharded.json (docs/scaling.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 
 class ShardedMuon(torch.optim.Muon):
@@ -46,8 +47,41 @@ class ShardedMuon(torch.optim.Muon):
                 lr = group["lr"]
                 local = _local(param)
                 local.mul_(1 - lr * group["weight_decay"])
-                local.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
+
+
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """An approximate orthogonalisation of `matrix` (its singular values moved towards 1, its singular
+    vectors kept), in bf16: `steps` rounds of the odd quintic X <- aX + (bA + cA^2)X with A = X X^T, from X
+    scaled to a Frobenius norm of 1 (so every singular value starts within (0, 1]). Worked on the wide
+    orientation, so A is the smaller Gram matrix. The result has `matrix`'s shape, in bf16."""
+    if matrix.ndim != 2:
+        raise ValueError(f"Newton-Schulz orthogonalises a matrix, got shape {tuple(matrix.shape)}")
+    a, b, c = coefficients
+    tall = matrix.shape[0] > matrix.shape[1]
+    x = matrix.bfloat16()
+    if tall:
+        x = x.mT
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
+        x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, adjust: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-matrix learning rate: "original" scales by sqrt(max(1, rows/cols)),
+    "match_rms_adamw" by 0.2*sqrt(max(rows, cols)) (an update with AdamW's RMS)."""
+    rows, cols = shape[0], shape[1]
+    if adjust is None or adjust == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,7 +103,7 @@ def orthogonalise_whole(
     works = []
     for k, (param, update) in enumerate(zip(params, updates, strict=True)):
         if not isinstance(param, DTensor):  # a whole matrix already (one process, DDP)
-            results[k] = _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+            results[k] = newton_schulz(update, ns_coefficients, ns_steps, eps)
             continue
         group, rows_per_rank = _row_sharding(param, update)
         world, me = group.size(), dist.get_rank(group)
@@ -88,7 +122,7 @@ def orthogonalise_whole(
         scatter_list = None
         if parts is not None:
             whole = torch.cat(parts)[:rows]
-            ortho = _zeropower_via_newtonschulz(whole, ns_coefficients, ns_steps, eps)
+            ortho = newton_schulz(whole, ns_coefficients, ns_steps, eps)
             # Sent in the update's dtype (exact for bf16): the rank adds it as a whole run would.
             padded = ortho.new_zeros((rows_per_rank * group.size(), cols), dtype=updates[k].dtype)
             padded[:rows] = ortho

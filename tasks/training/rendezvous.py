@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -21,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tasks.training.errors import TrainingInputError
 from tasks.training.settings import TrainSettings
 
 NODE_ADDR_ENV = (
@@ -69,11 +72,94 @@ def node_address(toward: str) -> str | None:
     return None
 
 
-def free_port_on(address: str) -> int:
+def is_loopback(host: str) -> bool:
+    """`host` (a name or an address literal, not resolved) names this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_address(settings: TrainSettings) -> str | None:
+    """The address this node gives the other nodes (torchrun's `--local-addr`, and MASTER_ADDR where global
+    rank 0 lands): this machine's address toward the endpoint, or `LLAMAFLOW_NODE_ADDR`.
+
+    Raises TrainingInputError for a loopback address while the endpoint is not a loopback one: the nodes
+    then run on different machines, which cannot reach this one there. On Debian and Ubuntu a machine's
+    own hostname maps to 127.0.1.1 in /etc/hosts, so an endpoint naming node 0 leads node 0 there."""
+    if settings.nnodes == 1 or settings.rdzv_endpoint is None:
+        return None
+    host, _ = split_endpoint(settings.rdzv_endpoint)
+    local = node_address(host)
+    if local is not None and is_loopback(local) and not is_loopback(host):
+        given = f"{NODE_ADDR_ENV}={local}" if os.environ.get(NODE_ADDR_ENV) else f"the route to {host}"
+        raise TrainingInputError(
+            f"node {settings.node_rank}: this node's address for the other nodes would be {local} ({given}), "
+            f"a loopback address, while the rendezvous endpoint {settings.rdzv_endpoint} is not: the other "
+            f"machines cannot reach it there (a hostname mapped to 127.0.1.1 in /etc/hosts does this). Set "
+            f"{NODE_ADDR_ENV} to this machine's address on the network the nodes share (e.g. "
+            f"{NODE_ADDR_ENV}=$(hostname -I | cut -d' ' -f1)), or give rdzv_endpoint as that address"
+        )
+    return local
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` (a name or an address) is an address of this machine: one it can bind to."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        with contextlib.suppress(OSError), socket.socket(family, kind, proto) as probe:
+            probe.bind((address[0], 0))
+            return True
+    return False
+
+
+def transport_env(settings: TrainSettings, env: dict[str, str]) -> dict[str, str]:
+    """Where the workers' gloo connections go: the interface holding this node's address. gloo otherwise
+    binds to what this machine's hostname resolves to, on a Debian host 127.0.1.1, which the other nodes
+    cannot reach ("Gloo connectFullMesh failed ... remote=[127.0.1.1]"). A GLOO_SOCKET_IFNAME already set wins."""
+    if settings.nnodes == 1 or env.get("GLOO_SOCKET_IFNAME"):
+        return {}
+    local = local_address(settings)
+    if local is None:
+        return {}
+    import psutil  # here: only a multi-node launch needs it (the GPU image's check runs without psutil)
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return {"GLOO_SOCKET_IFNAME": name}
+    return {}
+
+
+def free_port_on(address: str, seed: int | None = None) -> int:
+    """A port free on `address` now, for node 0's rendezvous store. torchrun binds it later (its c10d
+    backend takes no listening socket), so the port is drawn outside the kernel's ephemeral range: the ports
+    it hands to other processes' outgoing connections and bind-to-0 calls in the meantime are never it.
+    Falls back to a kernel-chosen port if no port below the range is free."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
+    low, _ = _ephemeral_range()
+    rng = random.Random(seed)
+    candidates = rng.sample(range(min(20000, low // 2), low), k=min(64, max(0, low - min(20000, low // 2))))
+    for port in [*candidates, 0]:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port on {address}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) -> list[str]:
@@ -95,18 +181,28 @@ def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) ->
     else:
         if settings.rdzv_endpoint is None:
             raise ValueError("nnodes > 1 needs rdzv_endpoint")  # checked by the caller with its own message
-        host, _ = split_endpoint(settings.rdzv_endpoint)
         command += [
             f"--nnodes={settings.nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={settings.rdzv_endpoint}",
             f"--rdzv-id={job_id(settings, run_dir)}",
-            f"--rdzv-conf=join_timeout={settings.rdzv_timeout_s}",
+            f"--rdzv-conf={rdzv_conf(settings)}",
         ]
-        local = node_address(host)
+        local = local_address(settings)
         if local is not None:
             command.append(f"--local-addr={local}")
     return [*command, "-m", "tasks.training.rank", str(spec_path)]
+
+
+def rdzv_conf(settings: TrainSettings) -> str:
+    """torchrun's c10d options. Who hosts the store is said, not guessed: torch otherwise compares the
+    endpoint with this machine's hostname and addresses, which on a Debian host (hostname on 127.0.1.1) or a
+    machine with several interfaces leaves the store unhosted, and on one machine makes every node try to
+    host it. A node waits for the store as long as for the rendezvous (torch's `read_timeout`, 60 s by
+    default, not `join_timeout`, bounds the wait for node 0, which may still be preparing its data)."""
+    is_host = "true" if settings.node_rank == 0 else "false"
+    timeout = settings.rdzv_timeout_s
+    return f"join_timeout={timeout},read_timeout={timeout},is_host={is_host}"
 
 
 def stop_wait_s(settings: TrainSettings) -> float:
@@ -176,6 +272,12 @@ def failure_message(
             f"node's worker with --limit 1), that every node reaches {settings.rdzv_endpoint} (firewall; "
             f"{NODE_ADDR_ENV} sets the address a node gives), and that they share rdzv_id and checkpoint_dir. "
             + resume
+        )
+    if agent_error is not None and agent_error.startswith("RendezvousConnectionError"):
+        return (
+            f"node {settings.node_rank} could not reach the rendezvous store at {settings.rdzv_endpoint} within "
+            f"rdzv_timeout_s={settings.rdzv_timeout_s} s: check that node 0 (node_rank=0, the machine at that "
+            f"address, which hosts the store) started and that this node reaches it (firewall). " + resume
         )
     shape = (
         f"{settings.nnodes} nodes x {settings.nproc_per_node}"

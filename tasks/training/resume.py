@@ -110,7 +110,20 @@ def architecture_differences(saved: dict[str, Any], config: LlamaConfig) -> list
 
 
 def find_resume(run_dir: Path, dist: DistContext) -> Path | None:
+    """The checkpoint to resume from: None when the run directory holds none (a new run). Checkpoints that
+    are all invalid stop the run (TrainingInputError): training from step 0 would overwrite them one by one
+    as it reaches their steps, and a damaged disk or a bad copy is no reason to lose a run."""
     if dist.is_main:
         ckpt.remove_partial_checkpoints(run_dir)
     dist.barrier()
-    return ckpt.newest_valid_checkpoint(run_dir, dist)  # every rank checks its share of the files
+    problems: dict[Path, str] = {}
+    found = ckpt.newest_valid_checkpoint(run_dir, dist, problems)  # every rank checks its share of the files
+    if found is None and problems:
+        each = "; ".join(f"{path.name}: {problem}" for path, problem in problems.items())
+        raise TrainingInputError(
+            f"{run_dir} holds {len(problems)} checkpoint(s) and none is valid ({each}), so nothing is "
+            "trained: starting from step 0 would overwrite them. To resume, put back a good copy of one of "
+            f"them. To start over on purpose, move them away (mkdir {run_dir}/invalid && mv {run_dir}/step_* "
+            f"{run_dir}/invalid/), delete them, or train into another checkpoint_dir"
+        )
+    return found

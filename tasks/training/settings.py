@@ -143,6 +143,13 @@ class TrainSettings(BaseModel):
         description="host:port of the c10d rendezvous when nnodes > 1 (a SLURM head node, a Kubernetes "
         "headless service); unset with placement='deployment': node 0 publishes its own",
     )
+    node_rank: MayChange[int] = Field(
+        0,
+        ge=0,
+        description="This node's index in the job when nnodes > 1: node 0 hosts the rendezvous store at "
+        "rdzv_endpoint (it must be the machine at that address), the others connect to it. Where global rank "
+        "0 runs is torch's choice; with placement='deployment' each node run is given its own",
+    )
     rdzv_id: MayChange[str | None] = Field(
         None,
         description="Rendezvous id shared by every node of the job (default: the MLflow run id when the "
@@ -152,7 +159,8 @@ class TrainSettings(BaseModel):
         300,
         ge=1,
         description="How long a rendezvous waits for all nnodes nodes (at the start and after a restart) "
-        "before the job fails",
+        "before the job fails; also how long the other nodes wait for node 0's rendezvous store to open "
+        "(node 0 may still be preparing its data)",
     )
     process_group_timeout_min: MayChange[float] = Field(
         10.0,
