@@ -34,7 +34,7 @@ from model.atomic import atomic_dir
 from tasks import home
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSpec, blake, resolve_corpus
+from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSettings, blake, resolve_corpus
 from tasks.data.errors import data_logger
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
@@ -109,7 +109,7 @@ def _validate_inputs(tokenizer: TokenizerRef, seq_len: int, num_proc: int | None
 
 
 def build_dataset(
-    data: str | DataSpec | None,
+    data: str | DataSettings | None,
     tokenizer: TokenizerRef,
     seq_len: int,
     *,
@@ -194,7 +194,7 @@ def _tokenize_split(
     num_proc: int,
 ) -> tuple[int, int, int, dict[str, int]]:
     """Write `<short>.npy`; returns (blocks, stream tokens, kept tokens, {"documents", "bytes"})."""
-    if split.hf is not None:
+    if split.table is not None:
         counts = {"documents": 0, "bytes": 0}
         raw = staging / f"{short}.tokens.bin"
         chunks = token_chunks(
@@ -203,7 +203,7 @@ def _tokenize_split(
             add_bos=add_bos,
             dtype=dtype,
             num_proc=num_proc,
-            streaming=corpus.spec.streaming,
+            streaming=corpus.settings.streaming,
             counts=counts,
         )
         n_tokens = write_tokens(chunks, raw)
@@ -308,7 +308,7 @@ def _build_into(
 
 
 def plan_tokenization(
-    data: str | DataSpec | None,
+    data: str | DataSettings | None,
     tokenizer: TokenizerRef,
     seq_len: int,
     *,
@@ -325,7 +325,7 @@ def plan_tokenization(
     fingerprint = dataset_fingerprint(corpus, tokenizer, seq_len, keep_remainder, add_bos)
     if is_complete(datasets_dir() / fingerprint):
         return []
-    parts = [part for split in (corpus.val, corpus.train) if split.hf is None for part in _parts(split)]
+    parts = [part for split in (corpus.val, corpus.train) if split.table is None for part in _parts(split)]
     dtype = token_dtype(tokenizer.vocab_size).name
     shards = plan_shards(
         parts,

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from model.atomic import atomic_dir
 from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import DataError, DataSpec, blake, resolve_corpus
+from tasks.data.corpus import DataError, DataSettings, blake, resolve_corpus
 from tasks.data.errors import data_logger
 from tasks.refs import TokenizerRef
 
@@ -83,7 +83,7 @@ def _write(
 
 
 def train_tokenizer(
-    data: str | DataSpec | None = None,
+    data: str | DataSettings | None = None,
     vocab_size: int = 8192,
     *,
     val_fraction: float | None = None,

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stdlib_corpus import MODULES, copy_modules
-from tasks.data.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataSpec, DataWarning, resolve_corpus
+from tasks.data.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataWarning, resolve_corpus
+from tasks.data.formats import SEGMENT_CHARS
 
 
 def _split_names(corpus) -> tuple[set[str], set[str]]:
@@ -75,16 +76,65 @@ def test_directory_glob_and_file_sources(tmp_path: Path) -> None:
     assert list(globbed.val.texts()) == ["alpha text\n"]
 
 
-def test_single_text_file_is_split_at_a_line_boundary(tmp_path: Path) -> None:
+def _texts(corpus) -> tuple[set[str], set[str]]:
+    return set(corpus.train.texts()), set(corpus.val.texts())
+
+
+def _kept_sides(before: tuple[set[str], set[str]], after: tuple[set[str], set[str]]) -> None:
+    assert before[0] and before[1]
+    assert before[0] <= after[0] and before[1] <= after[1], "a document moved to the other side"
+
+
+def test_a_single_prose_file_splits_by_its_segments_and_a_single_small_one_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "book.txt"
-    lines = [f"line {i} of the book\n" for i in range(100)]
-    path.write_text("".join(lines))
+    path.write_text("".join(f"line {i} of the book, long enough to fill segments\n" for i in range(40_000)))
     corpus = resolve_corpus(str(path), val_fraction=0.1)
-    (train,), (val,) = list(corpus.train.texts()), list(corpus.val.texts())
-    assert train + val == path.read_text()
-    assert train.endswith("\n") and val.startswith("line ")
-    assert 5 <= val.count("\n") <= 15
-    assert corpus.train.fingerprint != corpus.val.fingerprint
+    train, val = list(corpus.train.texts()), list(corpus.val.texts())
+    assert all(len(t) >= SEGMENT_CHARS for t in train[:-1] + val[:-1]) and all(
+        t.endswith("\n") for t in train
+    )
+    text = path.read_text()
+    assert all(t in text for t in train + val) and len("".join(train + val)) == len(text)
+    assert 1 <= len(val) <= len(train) / 3
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "note.txt").write_text("a short note\n")
+    with pytest.raises(DataError, match=r"holds 1 document.*give val_data="):
+        resolve_corpus(str(tmp_path / "small" / "note.txt"), val_fraction=0.1)
+
+
+def test_a_glob_corpus_that_grows_by_a_new_subdirectory_keeps_every_document_on_its_side(
+    tmp_path: Path,
+) -> None:
+    for i in range(60):
+        (tmp_path / "c" / "old").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "c" / "old" / f"doc{i:02d}.txt").write_text(f"document number {i}\n")
+    pattern = str(tmp_path / "c" / "**" / "*.txt")
+    before = _texts(resolve_corpus(pattern, val_fraction=0.2))
+    (tmp_path / "c" / "new").mkdir()
+    for i in range(5):
+        (tmp_path / "c" / "new" / f"doc{i:02d}.txt").write_text(f"new document {i}\n")
+    after = _texts(resolve_corpus(pattern, val_fraction=0.2))
+    _kept_sides(before, after)
+    assert len(after[0] | after[1]) == 65
+
+
+def test_a_corpus_that_grows_from_one_file_to_two_keeps_every_document_on_its_side(tmp_path: Path) -> None:
+    (tmp_path / "records").mkdir()
+    first = tmp_path / "records" / "a.jsonl"
+    first.write_text("".join(json.dumps({"text": f"record {i} of the first file"}) + "\n" for i in range(60)))
+    before = _texts(resolve_corpus(str(tmp_path / "records"), val_fraction=0.2))
+    (tmp_path / "records" / "b.jsonl").write_text(json.dumps({"text": "the second file's record"}) + "\n")
+    _kept_sides(before, _texts(resolve_corpus(str(tmp_path / "records"), val_fraction=0.2)))
+
+    (tmp_path / "prose").mkdir()
+    (tmp_path / "prose" / "a.txt").write_text(
+        "".join(f"line {i} of a long book of prose\n" for i in range(30_000))
+    )
+    before = _texts(resolve_corpus(str(tmp_path / "prose"), val_fraction=0.2))
+    (tmp_path / "prose" / "b.txt").write_text("a second, short book\n")
+    _kept_sides(before, _texts(resolve_corpus(str(tmp_path / "prose"), val_fraction=0.2)))
 
 
 def test_jsonl_json_and_parquet_records(tmp_path: Path) -> None:
@@ -202,7 +252,7 @@ def test_records_without_the_text_field_name_file_field_and_fields_found(tmp_pat
 
 def test_bad_val_fraction_and_unknown_extension(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"val_fraction=1.5"):
-        resolve_corpus(DataSpec(val_fraction=1.5))
+        resolve_corpus(None, val_fraction=1.5)
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"unknown extension"):
         resolve_corpus(str(tmp_path / "data.csv"))

@@ -1,90 +1,49 @@
-"""Text corpora: where documents come from, how they split into train/validation, their fingerprints.
+"""Text corpora: where documents come from, which side of the split each is on, their fingerprints.
 
-`resolve_corpus(spec)` turns a `DataSpec` into a `Corpus` of two `CorpusSplit`s. Resolving reads and
-hashes the files (cheap: ~0.1 s for the 11 MB standard library) but tokenizes nothing, so every
-bad-input error is raised before the expensive work starts.
+`resolve_corpus(settings)` turns `DataSettings` into a `Corpus` of two `CorpusSplit`s. Resolving lists and
+hashes the files (cheap: ~0.1 s for the 11 MB standard library) but tokenizes nothing, so every bad-input
+error is raised before the expensive work starts. Sources: `tasks.data.sources` (one module per kind).
 
-Sources (`DataSpec.data`):
-- `None` or `"stdlib"`: the running interpreter's standard library sources (no test folders,
-  no site-packages, no idlelib).
-- a file, a glob or a directory (recursively): `.txt`, `.md`, `.py` (one document per file),
-  `.jsonl` / `.json` (one document per record, field `text_field`), `.parquet` (column `text_field`).
-- `hf:NAME[:CONFIG]`: a Hugging Face dataset (hub or local HF cache, or a local data directory),
-  split `hf_split`, column `text_field`.
-
-Split: with `val_data` the validation split is that source. Otherwise it is a `val_fraction` of the
-files, chosen by a hash of each file's relative path, so adding a file never moves the others. With
-a single file the split is inside it: its last lines (text) or hashed record indices (records).
-Hugging Face datasets split by a hash of the row index, unless `hf_val_split` names a split.
-
-Non-UTF-8 files are skipped with a `DataWarning` naming them (a corpus folder often holds a stray
-binary or Latin-1 file; failing the whole run for it helps nobody); if nothing is left, `DataError`.
+Split: with `val_data` the validation split is that source. Otherwise a document is validation when the hash
+of its identity is below `val_fraction` (`tasks.data.documents`), whatever else the corpus holds: a new file,
+a new subdirectory or a second file never moves a document that was there before. Code files are documents
+whole (identity: the path under the source's root); prose files are cut into line-aligned segments and
+record files into records, so their parts of a split are the documents of each file on that side. When no
+whole file hashes into validation (a small corpus), the lowest-hashing one is lent to it: it can only move
+back to training when the corpus grows, never the other way. A table source holds out rows by their text,
+unless `hf_val_split` names a split.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from tasks.data.documents import VAL, generate_documents, is_val, part_texts
 from tasks.data.errors import DataError, DataWarning, blake, unit_hash
-from tasks.data.files import (
-    RECORD_SUFFIXES,
-    STDLIB_EXCLUDED_DIRS,
-    TEXT_SUFFIXES,
-    FilePart,
-    SourceFile,
-    generate_documents,
-    line_cut,
-    read_source_files,
-)
-from tasks.data.hf_datasets import hf_fingerprint, hf_split_dataset, parse_hf
+from tasks.data.files import FilePart, SourceFile, read_source_files
+from tasks.data.formats import RECORD_SUFFIXES, SEGMENT_CHARS, SEGMENTED_SUFFIXES
+from tasks.data.settings import DataSettings, as_settings
+from tasks.data.sources import kind_of
+from tasks.data.sources.base import TableRef
+from tasks.data.sources.stdlib import EXCLUDED_DIRS as STDLIB_EXCLUDED_DIRS
+from tasks.data.tables import table_dataset, table_fingerprint
 
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",
     "Corpus",
     "CorpusSplit",
     "DataError",
-    "DataSpec",
+    "DataSettings",
     "DataWarning",
-    "as_spec",
     "blake",
     "resolve_corpus",
 ]
 
 FORMAT_VERSION = "corpus-v1"
-_TRAIN, _VAL = "train", "validation"
-
-
-class DataSpec(BaseModel):
-    """Which text to train on, and how to hold out validation text."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    data: str | None = Field(default=None, description="None/'stdlib', a path, a glob, or 'hf:NAME[:CONFIG]'")
-    val_data: str | None = Field(default=None, description="Separate validation source (same forms as data)")
-    val_fraction: float = 0.05
-    text_field: str = "text"
-    hf_split: str = "train"
-    hf_val_split: str | None = None
-    streaming: bool = False
-
-
-def as_spec(data: str | DataSpec | None = None, **overrides: Any) -> DataSpec:
-    """A DataSpec from a source string or a spec; keyword overrides that are None are ignored."""
-    updates = {key: value for key, value in overrides.items() if value is not None}
-    if isinstance(data, DataSpec):
-        spec = DataSpec(**{**data.model_dump(), **updates})
-    else:
-        spec = DataSpec(data=data, **updates)
-    if not 0.0 < spec.val_fraction < 1.0:
-        raise DataError(
-            f"val_fraction={spec.val_fraction} must be between 0 and 1 (exclusive); 0.05 is typical."
-        )
-    return spec
+SPLIT_RULE = "by-document-identity-v2"  # in the fingerprints of parts split inside a file, and of tables
+_TRAIN = "train"
 
 
 # -------------------------------------------------------------------------------------------- splits
@@ -92,31 +51,32 @@ def as_spec(data: str | DataSpec | None = None, **overrides: Any) -> DataSpec:
 
 @dataclass(frozen=True)
 class CorpusSplit:
-    """One split of a corpus: a fingerprint plus a way to get its documents as a `datasets` object."""
+    """One split of a corpus: a fingerprint plus a way to get its documents."""
 
     name: Literal["train", "validation"]
     fingerprint: str
     description: str
     parts: tuple[FilePart, ...] = ()
     text_field: str = "text"
-    hf: dict[str, Any] | None = None
+    table: TableRef | None = None
+    table_select: tuple[str, float] | None = None
     bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def texts(self) -> Iterator[str]:
         """Documents one by one, without holding the corpus in memory."""
-        if self.hf is not None:
-            for row in hf_split_dataset(self.hf, streaming=self.hf["streaming"]):
+        if self.table is not None:
+            for row in table_dataset(self.table, self.table_select):
                 if row["text"]:
                     yield row["text"]
             return
-        for row in generate_documents(list(self.parts), self.text_field):
-            yield row["text"]
+        for part in self.parts:
+            yield from part_texts(part, self.text_field)
 
     def dataset(self, *, streaming: bool = False):  # -> datasets.Dataset | datasets.IterableDataset
         """A `datasets` object with one column `text`, one row per document."""
-        if self.hf is not None:
-            return hf_split_dataset(self.hf, streaming=streaming)
+        if self.table is not None:
+            return table_dataset(self.table, self.table_select, streaming=streaming)
         from datasets import Dataset, Features, IterableDataset, Value
 
         kwargs = {"parts": list(self.parts), "text_field": self.text_field}
@@ -130,7 +90,7 @@ class CorpusSplit:
 
 @dataclass(frozen=True)
 class Corpus:
-    spec: DataSpec
+    settings: DataSettings
     train: CorpusSplit
     val: CorpusSplit
 
@@ -139,143 +99,129 @@ class Corpus:
         return blake(FORMAT_VERSION, self.train.fingerprint, self.val.fingerprint)
 
 
-def _files_fingerprint(files: list[SourceFile], text_field: str, *extra: str) -> str:
-    needs_field = any(f.kind in RECORD_SUFFIXES for f in files)
-    parts = [FORMAT_VERSION, text_field if needs_field else "", *extra]
-    for file in sorted(files, key=lambda f: f.relpath):
-        parts += [file.relpath, file.digest]
-    return blake(*parts)
+def _parts_fingerprint(parts: list[FilePart], text_field: str) -> str:
+    """Of the files' bytes and paths; a part split inside its file adds the rule and the fraction (a whole
+    file's fingerprint is what it was before the split rule had a name: the stdlib corpus keeps its own)."""
+    needs_field = any(p.file.kind in RECORD_SUFFIXES for p in parts)
+    items = [FORMAT_VERSION, text_field if needs_field else ""]
+    for part in sorted(parts, key=lambda p: p.file.relpath):
+        items += [part.file.relpath, part.file.digest]
+        if part.select is not None:
+            items += [SPLIT_RULE, *map(repr, part.select)]
+    return blake(*items)
 
 
-def _split_files(source: str, files: list[SourceFile], spec: DataSpec) -> tuple[CorpusSplit, CorpusSplit]:
-    field_ = spec.text_field
-    if len(files) == 1:
-        only = files[0]
-        mode = "lines" if only.kind in TEXT_SUFFIXES else "records"
-        select = ("head", "tail") if mode == "lines" else ("records_train", "records_val")
-        base = _files_fingerprint(files, field_, f"single-{mode}", repr(spec.val_fraction))
-        train_bytes = val_bytes = None
-        if mode == "lines":
-            text = Path(only.path).read_text(encoding="utf-8")
-            cut = line_cut(text, spec.val_fraction)
-            train_bytes, val_bytes = len(text[:cut].encode()), len(text[cut:].encode())
-        train = CorpusSplit(
-            _TRAIN,
-            blake(base, _TRAIN),
-            f"{source} ({mode} before the last {spec.val_fraction:.0%})",
-            (FilePart(only, (select[0], spec.val_fraction)),),
-            field_,
-            bytes=train_bytes,
+def _split_inside(file: SourceFile) -> bool:
+    """Whether a file's documents are not the file itself: records, or a prose file longer than a segment."""
+    return file.kind in RECORD_SUFFIXES or (file.kind in SEGMENTED_SUFFIXES and file.size > SEGMENT_CHARS)
+
+
+def _split_files(
+    source: str, files: list[SourceFile], settings: DataSettings
+) -> tuple[CorpusSplit, CorpusSplit]:
+    fraction = settings.val_fraction
+    inside = [f for f in files if _split_inside(f)]
+    whole = [f for f in files if not _split_inside(f)]
+    val_whole = [f for f in whole if is_val(f.relpath, fraction)]
+    if not val_whole and not inside:
+        val_whole = sorted(whole, key=lambda f: unit_hash(f.relpath))[:1]  # lent to validation: see above
+    held_out = {f.relpath for f in val_whole}
+    if len(held_out) == len(whole) and not inside:
+        raise DataError(
+            f"{source!r} holds {len(whole)} document(s), all on the validation side at val_fraction={fraction}, "
+            "and a document's side never depends on the rest of the corpus: give val_data=, more files, or a "
+            f"smaller val_fraction (a .txt/.md file over {SEGMENT_CHARS} characters splits by its segments, "
+            "a .jsonl/.parquet by its records)."
         )
-        val = CorpusSplit(
-            _VAL,
-            blake(base, _VAL),
-            f"{source} (held-out {mode})",
-            (FilePart(only, (select[1], spec.val_fraction)),),
-            field_,
-            bytes=val_bytes,
-        )
-        return train, val
-    scored = sorted(files, key=lambda f: unit_hash(f.relpath))
-    val_files = [f for f in scored if unit_hash(f.relpath) < spec.val_fraction]
-    # Small corpora: still hold out one file, and keep one for training.
-    if not val_files:
-        val_files = scored[:1]
-    if len(val_files) == len(files):
-        val_files = val_files[:-1]
-    val_set = {f.relpath for f in val_files}
-    train_files = [f for f in files if f.relpath not in val_set]
-    val_files = [f for f in files if f.relpath in val_set]
+    train: list[FilePart] = []
+    val: list[FilePart] = []
+    for file in files:  # in the order listed: the corpus order
+        if _split_inside(file):
+            train.append(FilePart(file, (_TRAIN, fraction)))
+            val.append(FilePart(file, (VAL, fraction)))
+        else:
+            (val if file.relpath in held_out else train).append(FilePart(file))
     return (
-        _whole_files_split(_TRAIN, source, train_files, field_),
-        _whole_files_split(_VAL, source, val_files, field_),
+        _files_split(_TRAIN, source, train, settings.text_field),
+        _files_split(VAL, source, val, settings.text_field),
     )
 
 
-def _whole_files_split(
-    name: Literal["train", "validation"], source: str, files: list[SourceFile], text_field: str
+def _files_split(
+    name: Literal["train", "validation"], source: str, parts: list[FilePart], text_field: str
 ) -> CorpusSplit:
+    exact = all(p.select is None and p.file.kind not in RECORD_SUFFIXES for p in parts)
+    inside = sum(p.select is not None for p in parts)
     return CorpusSplit(
         name,
-        _files_fingerprint(files, text_field),
-        f"{source}: {len(files)} files",
-        tuple(FilePart(f) for f in files),
+        _parts_fingerprint(parts, text_field),
+        f"{source}: {len(parts) - inside} files" + (f" + documents of {inside} more" if inside else ""),
+        tuple(parts),
         text_field,
-        # Parquet is compressed: its size does not bound the text size.
-        bytes=None if any(f.kind == ".parquet" for f in files) else sum(f.size for f in files),
-        extra={"files": len(files)},
+        # Only whole text files have a known text size (Parquet and compressed files do not bound it).
+        bytes=sum(p.file.size for p in parts) if exact else None,
+        extra={"files": len(parts)},
     )
 
 
-# ------------------------------------------------------------------------------------- Hugging Face
+# ------------------------------------------------------------------------------------------- tables
 
 
-def _hf_splits(
-    source: str, spec: DataSpec, *, as_val_source: bool = False
-) -> tuple[CorpusSplit, CorpusSplit | None]:
-    name, config = parse_hf(source)
-    base = {"name": name, "config": config, "text_field": spec.text_field, "streaming": spec.streaming}
-    train_fp = hf_fingerprint(name, config, spec.hf_split, spec.text_field, spec.streaming)
-    if as_val_source or spec.val_data is not None:
-        whole = CorpusSplit(
-            _TRAIN, blake(FORMAT_VERSION, train_fp), source, hf={**base, "split": spec.hf_split}
-        )
-        return whole, None
-    if spec.hf_val_split is not None:
-        val_fp = hf_fingerprint(name, config, spec.hf_val_split, spec.text_field, spec.streaming)
+def _table(source: str, settings: DataSettings, split: str) -> TableRef:
+    return TableRef(kind_of(source).name, source, split, settings.text_field, settings.streaming)
+
+
+def _table_splits(source: str, settings: DataSettings) -> tuple[CorpusSplit, CorpusSplit]:
+    train_table = _table(source, settings, settings.hf_split)
+    train_fp = table_fingerprint(train_table)
+    if settings.hf_val_split is not None:
+        val_table = _table(source, settings, settings.hf_val_split)
         return (
             CorpusSplit(
-                _TRAIN,
-                blake(FORMAT_VERSION, train_fp),
-                f"{source}[{spec.hf_split}]",
-                hf={**base, "split": spec.hf_split},
+                _TRAIN, blake(FORMAT_VERSION, train_fp), f"{source}[{settings.hf_split}]", table=train_table
             ),
             CorpusSplit(
-                _VAL,
-                blake(FORMAT_VERSION, val_fp),
-                f"{source}[{spec.hf_val_split}]",
-                hf={**base, "split": spec.hf_val_split},
+                VAL,
+                blake(FORMAT_VERSION, table_fingerprint(val_table)),
+                f"{source}[{settings.hf_val_split}]",
+                table=val_table,
             ),
         )
-    fraction = spec.val_fraction
-    shared = {**base, "split": spec.hf_split, "val_fraction": fraction}
-    return (
+    fraction = settings.val_fraction
+    return tuple(  # type: ignore[return-value]
         CorpusSplit(
-            _TRAIN,
-            blake(FORMAT_VERSION, train_fp, _TRAIN, repr(fraction)),
-            source,
-            hf={**shared, "keep_val": False},
-        ),
-        CorpusSplit(
-            _VAL,
-            blake(FORMAT_VERSION, train_fp, _VAL, repr(fraction)),
-            f"{source} (held-out rows)",
-            hf={**shared, "keep_val": True},
-        ),
+            name,
+            blake(FORMAT_VERSION, train_fp, SPLIT_RULE, name, repr(fraction)),
+            source if name == _TRAIN else f"{source} (held-out rows)",
+            table=train_table,
+            table_select=(name, fraction),
+        )
+        for name in (_TRAIN, VAL)
     )
 
 
 # ---------------------------------------------------------------------------------------- resolving
 
 
-def _whole_source(source: str, spec: DataSpec, name: Literal["train", "validation"]) -> CorpusSplit:
-    if source.startswith("hf:"):
-        whole, _ = _hf_splits(source, spec, as_val_source=True)
-        return CorpusSplit(name, whole.fingerprint, whole.description, hf=whole.hf)
-    files = read_source_files(source, spec.text_field)
-    return _whole_files_split(name, source, files, spec.text_field)
+def _whole_source(source: str, settings: DataSettings, name: Literal["train", "validation"]) -> CorpusSplit:
+    kind = kind_of(source)
+    if kind.list_files is None:
+        table = _table(source, settings, settings.hf_split)
+        return CorpusSplit(name, blake(FORMAT_VERSION, table_fingerprint(table)), source, table=table)
+    files = read_source_files(source, *kind.list_files(source), settings.text_field)
+    return _files_split(name, source, [FilePart(f) for f in files], settings.text_field)
 
 
-def resolve_corpus(data: str | DataSpec | None = None, **overrides: Any) -> Corpus:
+def resolve_corpus(data: str | DataSettings | None = None, **overrides: Any) -> Corpus:
     """Find, read and fingerprint the corpus, and decide its split; tokenizes nothing."""
-    spec = as_spec(data, **overrides)
-    source = spec.data or "stdlib"
-    if spec.val_data is not None:
-        return Corpus(spec, _whole_source(source, spec, _TRAIN), _whole_source(spec.val_data, spec, _VAL))
-    if source.startswith("hf:"):
-        train, val = _hf_splits(source, spec)
-        assert val is not None
-        return Corpus(spec, train, val)
-    files = read_source_files(source, spec.text_field)
-    train, val = _split_files(source, files, spec)
-    return Corpus(spec, train, val)
+    settings = as_settings(data, **overrides)
+    source = settings.data or "stdlib"
+    if settings.val_data is not None:
+        return Corpus(
+            settings, _whole_source(source, settings, _TRAIN), _whole_source(settings.val_data, settings, VAL)
+        )
+    kind = kind_of(source)
+    if kind.list_files is None:
+        return Corpus(settings, *_table_splits(source, settings))
+    files = read_source_files(source, *kind.list_files(source), settings.text_field)
+    return Corpus(settings, *_split_files(source, files, settings))

@@ -1,4 +1,4 @@
-"""Tokenizing a Hugging Face dataset split (`hf:NAME`): `datasets.map(batched=True, num_proc=...)`, each batch
+"""Tokenizing a table source's split (`hf:NAME`, a saved dataset): `datasets.map(batched=True, num_proc=...)`, each batch
 one row of concatenated ids, written straight to a raw stream file and cut into blocks, so neither the
 corpus nor its tokens are held in memory (`streaming=True` also avoids the Arrow copy in the datasets cache).
 Local files go through the per-file token cache instead (`tasks.data.tokens`).

@@ -1,10 +1,12 @@
 """Token arrays cached per corpus file, by content: a corpus that grew by a few files tokenizes only those.
 
-Each part of a split (a whole file, or the lines/records of a single-file corpus that fall in the split) is
-tokenized once per (file content, selection, text field, tokenizer file, special ids, BOS choice, dtype)
+Each part of a split (a whole file, or the documents of a file that fall on one side) is tokenized once per
+(file content, selection, text field, tokenizer file, special ids, BOS choice, dtype)
 into `<home>/cache/tokens/<key[:2]>/<key>.bin` (the raw token stream: each document's ids followed by EOS,
 optionally preceded by BOS) with `<key>.json` beside it (counts; written last, so it marks a complete
-entry). Packing a dataset concatenates the entries of its parts in corpus order: the same stream as
+entry). The content is the digest of the bytes actually read: a file that changed after the corpus was
+listed fails its read (`tasks.data.documents`) before its entry is published. An entry's `.json`
+modification time is its last use (`tasks.data.token_store` shows and prunes by it). Packing a dataset concatenates the entries of its parts in corpus order: the same stream as
 tokenizing the whole split at once, so the dataset's content and fingerprint do not depend on what was
 cached.
 
@@ -29,11 +31,13 @@ from pydantic import BaseModel, ConfigDict
 
 from model.atomic import atomic_file, write_text_atomic
 from tasks import home
+from tasks.data.documents import part_texts
 from tasks.data.errors import blake
-from tasks.data.files import RECORD_SUFFIXES, FilePart, SourceFile, part_texts
+from tasks.data.files import FilePart, SourceFile
+from tasks.data.formats import RECORD_SUFFIXES, split_suffix
 from tasks.refs import TokenizerRef
 
-CACHE_VERSION = "part-tokens-v1"
+CACHE_VERSION = "part-tokens-v2"  # v2: stored only when the bytes read are the bytes keyed
 SHARD_BYTES = 1 << 20  # text per mapped task: ~0.3 s of tokenizing here, small against a task's overhead
 ENCODE_BATCH = 64  # documents per encode_batch_fast call
 _LOCAL = threading.local()
@@ -97,15 +101,20 @@ def _tokenizer_identity(tokenizer: TokenizerRef) -> str:
 
 def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str) -> str:
     """The cache key of a part's tokens: its content and everything that shapes its token stream."""
-    suffix = os.path.splitext(part.path)[1].lower()
-    # A selection inside a file (single-file corpora) depends on the file's relative path (records are
-    # split by a hash of it); a whole file depends on its bytes only, wherever it lies.
-    selection = "" if part.select is None else f"{part.relpath}:{part.select[0]}:{part.select[1]!r}"
-    field = part.text_field if suffix in RECORD_SUFFIXES else ""
+    kind, codec = split_suffix(part.path)
+    records = kind in RECORD_SUFFIXES
+    # A whole file's tokens depend on its bytes only, wherever it lies; one side of a file's documents on
+    # the side's rule too, and a prose file's segments on its relative path (their identity).
+    selection = (
+        ""
+        if part.select is None
+        else f"{'' if records else part.relpath}:{part.select[0]}:{part.select[1]!r}"
+    )
+    field = part.text_field if records else ""
     return blake(
         CACHE_VERSION,
         part.digest,
-        suffix,
+        kind + codec,
         selection,
         field,
         _tokenizer_identity(tokenizer),
@@ -125,9 +134,11 @@ def cached_counts(key: str, root: Path | None = None) -> dict[str, int] | None:
     _, meta = _entry(key, root)
     try:
         with open(meta) as handle:
-            return json.load(handle)
+            counts = json.load(handle)
+        os.utime(meta)  # its last use: what `python -m flows.cache prune` goes by
     except (FileNotFoundError, ValueError):
         return None
+    return counts
 
 
 def _tokenizer(path: str) -> Any:

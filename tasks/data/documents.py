@@ -1,0 +1,75 @@
+"""A part's documents, read while its bytes are hashed, and which side of the split each one is on.
+
+A document's side is a pure function of its identity, whatever else the corpus holds: a whole file's is its
+path under the source's root; a segment's of a prose file its path and index; a record's its text. A
+document is validation when `unit_hash(identity) < val_fraction`.
+
+The bytes read are hashed on the way; a file whose bytes are not the ones the corpus was listed with (an
+ingest job rewrote it, or deleted it) is a `DataError` at the end of the read, so tokens are never stored
+under the key of other bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tasks.data.errors import DataError, unit_hash
+from tasks.data.files import FilePart, SourceFile
+from tasks.data.formats import RECORD_SUFFIXES, HashingReader, records, text_documents
+
+VAL = "validation"
+
+
+def is_val(identity: str, val_fraction: float) -> bool:
+    return unit_hash(identity) < val_fraction
+
+
+def segment_identity(relpath: str, index: int) -> str:
+    """The first segment is the file itself (a short file is one segment, split as a whole file would be)."""
+    return relpath if index == 0 else f"{relpath}#{index}"
+
+
+def _documents(file: SourceFile, raw: HashingReader, text_field: str) -> Iterator[tuple[str, str]]:
+    """(identity, text) of every non-empty document of `file`."""
+    if file.kind not in RECORD_SUFFIXES:
+        for index, text in enumerate(text_documents(raw, file.kind)):
+            if text:
+                yield segment_identity(file.relpath, index), text
+        return
+    for index, record in enumerate(records(raw, file.path, file.kind, file.codec, [text_field])):
+        if text_field not in record:
+            raise DataError(
+                f"{file.path} record {index} has no field {text_field!r}; its fields are {list(record)}."
+            )
+        if text := record[text_field]:
+            text = str(text)
+            yield text, text
+
+
+def part_texts(part: FilePart, text_field: str) -> Iterator[str]:
+    """The texts of a part's documents, in file order; raises DataError when the file's bytes changed."""
+    file = part.file
+    try:
+        handle = open(file.path, "rb")  # noqa: SIM115 (closed by the `with` below)
+    except FileNotFoundError as err:
+        raise DataError(
+            f"{file.path} was deleted after the corpus was listed; rerun (the corpus is listed again)."
+        ) from err
+    with handle:
+        raw = HashingReader(handle)
+        for identity, text in _documents(file, raw, text_field):
+            if part.select is None or is_val(identity, part.select[1]) == (part.select[0] == VAL):
+                yield text
+        digest, size = raw.finish()
+    if digest != file.digest:
+        raise DataError(
+            f"{file.path} changed while this run read it ({size} bytes now, {file.size} when the corpus was "
+            "listed): its tokens are not kept. Rerun once whatever writes it has finished."
+        )
+
+
+def generate_documents(parts: list[FilePart], text_field: str) -> Iterator[dict[str, str]]:
+    """Generator for `datasets`: one row {"text": ...} per document (top-level, so it pickles)."""
+    for part in parts:
+        for text in part_texts(part, text_field):
+            yield {"text": text}

@@ -1,0 +1,76 @@
+"""DataSettings: which text a run trains on and how validation text is held out; the one typed object the
+data stages take (`PretrainConfig` is one, so every field is a CLI flag and a YAML key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.data.errors import DataError
+from tasks.data.sources import check_source, kind_of
+
+
+class DataSettings(BaseModel):
+    """Which text to train on, and how to hold out validation text."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data: str | None = Field(
+        None,
+        description="Corpus: None/'stdlib' = this interpreter's standard library sources; a file, directory "
+        "(e.g. of Parquet shards) or glob of .txt .md .py .jsonl[.gz|.zst] .json .parquet; a dataset saved "
+        "with datasets' save_to_disk; 'hf:NAME[:CONFIG]'",
+    )
+    val_data: str | None = Field(
+        None,
+        description="Separate validation corpus, same forms as data (default: a split of data by document)",
+    )
+    val_fraction: float = Field(
+        0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation (by their identity)"
+    )
+    text_field: str = Field("text", description="Text field of JSON/JSONL/Parquet/dataset records")
+    hf_split: str = Field("train", description="Split of a Hugging Face dataset (hf:NAME) to train on")
+    hf_val_split: str | None = Field(
+        None, description="A Hugging Face dataset's split to validate on (default: held-out rows of hf_split)"
+    )
+    streaming: bool = Field(
+        False,
+        description="Stream a Hugging Face dataset instead of caching it as Arrow (corpora beyond disk)",
+    )
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> Any:
+        for source in (self.data, self.val_data):
+            check_source(source)
+        if self.hf_val_split is not None and not kind_of(self.data).named_splits:
+            raise DataError(
+                f"hf_val_split={self.hf_val_split!r} names a split of a Hugging Face dataset, but data="
+                f"{self.data!r} is not one: drop hf_val_split (val_fraction or val_data hold out text)"
+            )
+        return self
+
+    def data_settings(self) -> DataSettings:
+        """The data options alone (for a subclass such as PretrainConfig: the object the data stages take)."""
+        return DataSettings.model_validate(self.model_dump(include=set(DataSettings.model_fields)))
+
+
+def as_settings(data: str | DataSettings | dict[str, Any] | None = None, **overrides: Any) -> DataSettings:
+    """DataSettings from a source string or settings; keyword overrides that are None are ignored."""
+    updates = {key: value for key, value in overrides.items() if value is not None}
+    if isinstance(data, dict):  # as a task parameter travels
+        data = DataSettings.model_validate(data)
+    base = data.data_settings().model_dump() if isinstance(data, DataSettings) else {"data": data}
+    try:
+        return DataSettings(**{**base, **updates})
+    except ValidationError as err:
+        first = err.errors()[0]
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, DataError):
+            raise cause from None
+        where = ".".join(str(part) for part in first["loc"])
+        if where == "val_fraction":
+            raise DataError(
+                f"val_fraction={first['input']} must be between 0 and 1 (exclusive); 0.05 is typical."
+            ) from None
+        raise DataError(f"{where}={first.get('input')!r}: {first['msg']}") from None
