@@ -117,7 +117,7 @@ def main() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from tasks.data.files import stdlib_files, stdlib_root
+    from tasks.data.sources.stdlib import stdlib_files, stdlib_root
     from tasks.home import apply_embedded_defaults
 
     load_before = load_average()
