@@ -32,6 +32,7 @@ from prefect.context import TaskRunContext
 
 from model.atomic import atomic_dir
 from tasks import home
+from tasks.data import token_store
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSettings, blake, resolve_corpus
@@ -153,7 +154,8 @@ def build_dataset(
             return load_dataset_ref(directory)
         started = time.perf_counter()
         dtype = token_dtype(tokenizer.vocab_size)
-        with atomic_dir(directory) as staged:
+        # Held shared: no prune of the token cache between looking the parts up and packing them.
+        with token_store.in_use(), atomic_dir(directory) as staged:
             meta = _build_into(
                 staged.path,
                 corpus,
@@ -220,9 +222,25 @@ def _tokenize_split(
         )
         raw.unlink()
         return blocks, n_tokens, kept, counts
+    return _pack_files(
+        staging / f"{short}.npy", split, tokenizer, seq_len, keep_remainder, add_bos, dtype, num_proc
+    )
+
+
+def _pack_files(
+    npy: Path,
+    split: CorpusSplit,
+    tokenizer: TokenizerRef,
+    seq_len: int,
+    keep_remainder: bool,
+    add_bos: bool,
+    dtype: np.dtype,
+    num_proc: int,
+) -> tuple[int, int, int, dict[str, int]]:
+    """A local files' split from the token cache (tokenizing the parts it lacks in `num_proc` threads)."""
     parts = _parts(split)
     keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
-    root = token_cache.tokens_dir()
+    root = token_store.tokens_dir()
     done = [token_cache.cached_counts(key, root) for key in keys]
     missing = [i for i, counts in enumerate(done) if counts is None]
     if missing:  # what a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads
@@ -236,7 +254,7 @@ def _tokenize_split(
     blocks, n_tokens, kept = pack_parts(
         keys,
         [c["tokens"] for c in done],  # type: ignore[index]
-        staging / f"{short}.npy",
+        npy,
         seq_len=seq_len,
         keep_remainder=keep_remainder,
         pad_id=tokenizer.pad_id,

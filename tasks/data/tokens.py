@@ -30,11 +30,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import atomic_file, write_text_atomic
-from tasks import home
 from tasks.data.documents import part_texts
 from tasks.data.errors import blake
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, split_suffix
+from tasks.data.token_store import entry_paths, tokens_dir
 from tasks.refs import TokenizerRef
 
 CACHE_VERSION = "part-tokens-v2"  # v2: stored only when the bytes read are the bytes keyed
@@ -86,10 +86,6 @@ class TokenShard(BaseModel):
         return sum(p.size for p in self.parts)
 
 
-def tokens_dir() -> Path:
-    return home.cache_dir() / "tokens"
-
-
 def _tokenizer_identity(tokenizer: TokenizerRef) -> str:
     sha = tokenizer.sha256
     if sha is None:
@@ -123,15 +119,10 @@ def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str)
     )
 
 
-def _entry(key: str, root: Path | None = None) -> tuple[str, str]:
-    base = os.path.join(root or tokens_dir(), key[:2], key)  # strings: looked up for every file of a corpus
-    return base + ".bin", base + ".json"
-
-
 def cached_counts(key: str, root: Path | None = None) -> dict[str, int] | None:
     """The counts of a complete cache entry ({"tokens", "documents", "bytes"}), or None. `root`: the token
     cache's directory (`tokens_dir()`, computed once by callers that look up many parts)."""
-    _, meta = _entry(key, root)
+    _, meta = entry_paths(key, root)
     try:
         with open(meta) as handle:
             counts = json.load(handle)
@@ -171,7 +162,7 @@ def tokenize_part(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype:
     if (counts := cached_counts(key)) is not None:
         return counts
     encoder = _tokenizer(tokenizer.path)
-    data, meta = _entry(key)
+    data, meta = entry_paths(key)
     os.makedirs(os.path.dirname(data), exist_ok=True)
     counts = {"tokens": 0, "documents": 0, "bytes": 0}
     with atomic_file(data) as tmp, open(tmp, "wb") as out:
@@ -258,7 +249,7 @@ def pack_parts(
         take = min(length, kept - offset)
         if take == 0:  # a part without tokens (an empty file): the parts after it still count
             continue
-        data, _ = _entry(key, root)
+        data, _ = entry_paths(key, root)
         flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
         offset += take
     flat[offset:] = pad_id
