@@ -32,7 +32,7 @@ SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1
 # (8-10 s of a cold `make train` on 2 cores).
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev,postgres,auth]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH_CONSTRAINT) --config-settings editable_mode=compat -e '.[dev,postgres,auth,dask]'
 	$(VENV)/bin/prefect server database upgrade -y > /dev/null
 	touch $(STAMP)
 

@@ -158,6 +158,44 @@ def test_jsonl_json_and_parquet_records(tmp_path: Path) -> None:
     assert sorted([*parquet.train.texts(), *parquet.val.texts()]) == sorted(r["body"] for r in records)
 
 
+def test_compressed_jsonl_parquet_shards_and_saved_datasets(tmp_path: Path) -> None:
+    import gzip
+
+    import datasets
+    import zstandard
+
+    records = [{"text": f"record {i} of a compressed file", "id": i} for i in range(60)]
+    lines = [(json.dumps(r) + "\n").encode() for r in records]
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "a.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[:30])))
+    (tmp_path / "packed" / "b.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(b"".join(lines[30:]))
+    )
+    corpus = resolve_corpus(str(tmp_path / "packed"), val_fraction=0.2)
+    train, val = _texts(corpus)
+    assert train | val == {r["text"] for r in records} and train and val and not train & val
+
+    (tmp_path / "shards").mkdir()
+    for shard in range(3):
+        rows = records[shard * 20 : (shard + 1) * 20]
+        pq.write_table(
+            pa.table({"text": [r["text"] for r in rows]}), tmp_path / "shards" / f"train-{shard}.parquet"
+        )
+    assert _texts(resolve_corpus(str(tmp_path / "shards"), val_fraction=0.2)) == (
+        train,
+        val,
+    )  # same documents
+
+    table = datasets.Dataset.from_list(records)
+    table.save_to_disk(str(tmp_path / "saved"))
+    assert _texts(resolve_corpus(str(tmp_path / "saved"), val_fraction=0.2)) == (train, val)
+    datasets.DatasetDict({"train": table, "dev": table.select(range(5))}).save_to_disk(str(tmp_path / "dict"))
+    named = resolve_corpus(str(tmp_path / "dict"), hf_val_split="dev")
+    assert set(named.val.texts()) == {r["text"] for r in records[:5]}
+    with pytest.raises(DataError, match=r"no split 'test'; its splits are \['train', 'dev'\]"):
+        resolve_corpus(str(tmp_path / "dict"), hf_split="test")
+
+
 def test_datasets_view_matches_plain_iteration(tmp_path: Path) -> None:
     copy_modules(tmp_path / "c")
     corpus = resolve_corpus(str(tmp_path / "c"), val_fraction=0.2)

@@ -4,6 +4,7 @@ other document's side), and the content fingerprint `datasets` keeps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tasks.data.documents import is_val
@@ -34,7 +35,7 @@ def table_fingerprint(table: TableRef) -> str:
 def table_dataset(table: TableRef, select: tuple[str, float] | None, *, streaming: bool | None = None):
     """The table's rows as a dataset with one column `text`; `select` = (side, val_fraction) keeps one side."""
     if streaming is not None and streaming != table.streaming:
-        table = TableRef(table.kind, table.source, table.split, table.text_field, streaming)
+        table = replace(table, streaming=streaming)
     ds = load(table).select_columns([table.text_field])
     if table.text_field != "text":
         ds = ds.rename_column(table.text_field, "text")
