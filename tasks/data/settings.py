@@ -3,7 +3,7 @@ data stages take (`PretrainConfig` is one, so every field is a CLI flag and a YA
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,6 +33,18 @@ class DataSettings(BaseModel):
     hf_split: str = Field("train", description="Split of a Hugging Face dataset (hf:NAME) to train on")
     hf_val_split: str | None = Field(
         None, description="A Hugging Face dataset's split to validate on (default: held-out rows of hf_split)"
+    )
+    task_runner: Literal["threads", "dask"] = Field(
+        "threads",
+        description="Where the tokenization map runs: the flow's threads, or a Dask cluster through prefect-dask "
+        "(pip install 'llamaflow[dask]'); the dataset is the same",
+    )
+    dask_address: str | None = Field(
+        None,
+        description="With task_runner=dask: a running scheduler (tcp://HOST:8786); none: a local cluster",
+    )
+    dask_workers: int = Field(
+        2, ge=1, description="With task_runner=dask and no address: local worker processes"
     )
     streaming: bool = Field(
         False,

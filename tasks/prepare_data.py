@@ -1,0 +1,106 @@
+"""The data stages of a run, in order: the tokenizer (trained on the corpus, or the one that came with the
+parent's weights) checked against the model before any data work, then the corpus tokenized as mapped
+`tokenize_shard` runs (only parts whose tokens are not cached) and packed.
+
+The map runs on the flow's task runner (threads), or with `task_runner="dask"` on a Dask cluster through
+prefect-dask: the one at `dask_address`, or a local cluster of `dask_workers` processes for this map. Workers
+must see the corpus files and LLAMAFLOW_HOME at the same paths (a shared file system).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from model import LlamaConfig
+from tasks.data.errors import DataError, data_logger
+from tasks.data.settings import DataSettings
+from tasks.data.tokens import TokenShard
+from tasks.dataset import build_dataset_task, plan_tokenization_task, tokenize_shard_task
+from tasks.init_from import InitFromError
+from tasks.init_from.vocab import check_extends, embedding_rows
+from tasks.refs import DatasetRef, ParentRef, TokenizerRef
+from tasks.scoring import check_byte_level
+from tasks.tokenize import import_tokenizer, train_tokenizer_task
+
+
+def prepare_tokenizer(
+    data: DataSettings,
+    *,
+    vocab_size: int,
+    tokenizer_path: str | None,
+    parent: ParentRef | None = None,
+    base: LlamaConfig | None = None,
+    resize_embeddings: bool = False,
+) -> tuple[TokenizerRef, int | None]:
+    """The run's tokenizer, and with a parent (`base` its architecture) the embedding rows the model needs.
+
+    From a parent: its own tokenizer (never a new one), or `tokenizer_path` when that extends it; the
+    tokenizer must fit the embedding (or `resize_embeddings` grows it)."""
+    rows = None
+    if parent is None:
+        tokenizer = train_tokenizer_task(data, vocab_size, tokenizer_path=tokenizer_path)
+    else:
+        assert base is not None, "a parent comes with its architecture"
+        path = tokenizer_path or parent.tokenizer_path
+        if path is None:
+            raise InitFromError(
+                f"init_from={parent.source!r} ({parent.pinned}) came without a tokenizer.json, and a run "
+                "from a model uses that model's tokenizer: give the one it was trained with as tokenizer=PATH"
+            )
+        own = path == parent.tokenizer_path
+        tokenizer = import_tokenizer(
+            path,
+            special_tokens=parent.special_tokens if own else None,
+            embedding_rows=base.vocab_size,  # a pad token is added only into a spare row
+        )
+        if not own:
+            check_extends(tokenizer, parent)
+        rows = embedding_rows(tokenizer, parent, base, resize_embeddings)
+        if rows != base.vocab_size:
+            data_logger().info(
+                f"embedding grows from {base.vocab_size} to {rows} rows for the tokenizer's added tokens "
+                "(resize_embeddings): new rows start as the mean of the parent's"
+            )
+    check_byte_level(tokenizer)  # bits per byte counts the tokens' bytes: refuse before any training
+    return tokenizer, rows
+
+
+def _dask_runner(data: DataSettings) -> Any:
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError as err:
+        raise DataError(
+            "task_runner='dask' needs prefect-dask: pip install 'llamaflow[dask]' (or prefect-dask)"
+        ) from err
+    if data.dask_address is not None:
+        return DaskTaskRunner(address=data.dask_address)
+    return DaskTaskRunner(
+        cluster_kwargs={"n_workers": data.dask_workers, "threads_per_worker": 1, "processes": True}
+    )
+
+
+def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[dict[str, float]]:
+    """Map `tokenize_shard` over `shards` on the configured task runner; raises the first shard's error."""
+    if not shards:
+        return []
+    if data.task_runner == "threads":
+        return tokenize_shard_task.map(shards).result()
+    with _dask_runner(data) as runner:
+        return runner.map(tokenize_shard_task, parameters={"shard": shards}).result()
+
+
+def build_data(data: DataSettings, tokenizer: TokenizerRef, seq_len: int, *, seed: int) -> DatasetRef:
+    """Tokenize what is not cached as mapped shard runs, then pack (cached by content fingerprint)."""
+    shards = plan_tokenization_task(data, tokenizer, seq_len)
+    tokenize_shards(shards, data)
+    return build_dataset_task(data, tokenizer, seq_len, seed=seed)
+
+
+def keep_tokenizer(run_dir: str, tokenizer: TokenizerRef) -> None:
+    """A copy of the tokenizer in the run directory: `init_from=<run dir>/step_N` then finds it."""
+    target = Path(run_dir) / "tokenizer.json"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer.path, target)
