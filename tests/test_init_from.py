@@ -85,7 +85,7 @@ def test_local_checkpoint_safetensors_file_and_run_directory(tmp_path: Path) -> 
     step.mkdir(parents=True)
     save_weights(model, step / "model.safetensors")
     (step / "config.json").write_text(json.dumps(model.config.to_dict()))
-    tokenizer = train_tokenizer(str(STDLIB / "textwrap.py"), 384)
+    tokenizer = train_tokenizer(str(STDLIB / "textwrap.py"), 384, val_data=str(STDLIB / "bisect.py"))
     (run_dir / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
 
     from_dir = resolve_init_from(str(step))
@@ -133,7 +133,7 @@ def _register(client, uri: str, name: str, seed: int, tokenizer, root: Path) -> 
 
 
 def test_registry_sources_and_an_alias_pinned_once_per_run(tmp_path: Path) -> None:
-    tokenizer = train_tokenizer(str(STDLIB / "shlex.py"), 384)
+    tokenizer = train_tokenizer(str(STDLIB / "shlex.py"), 384, val_data=str(STDLIB / "bisect.py"))
     with sqlite_store(tmp_path) as uri:
         client = store.get_client(uri)
         v1, sha1, _ = _register(client, uri, "lineage-src", 1, tokenizer, tmp_path)
@@ -198,6 +198,6 @@ def test_the_tokenizer_must_fit_the_embedding_or_grow_it_explicitly(hf_dir: Path
         assert torch.equal(grown[name][:320], before[name])
         torch.testing.assert_close(grown[name][320:], before[name].mean(0).expand(3, -1))
 
-    renumbered = train_tokenizer(str(STDLIB / "shlex.py"), 300)
+    renumbered = train_tokenizer(str(STDLIB / "shlex.py"), 300, val_data=str(STDLIB / "bisect.py"))
     with pytest.raises(InitFromError, match="does not extend the one that came with init_from"):
         tokenizer_for(_config(str(hf_dir), tokenizer=renumbered.path), parent)
