@@ -4,7 +4,7 @@
 
 The corpus is the interpreter's standard library (the default corpus) copied into a temporary directory,
 less a held-back `--grow` share of its files; a tokenizer is trained on it once, untimed (a continued run
-takes its parent's tokenizer). The data stage is `flows.data.build_data` inside a Prefect flow: plan the
+takes its parent's tokenizer). The data stage is `tasks.prepare_data.build_data` inside a Prefect flow: plan the
 shards of files not yet tokenized, map `tokenize_shard` over them on the flow's task runner, pack. The flows
 report to a Prefect server the script starts on a free local port (a process pool's workers must reach
 the same API; with the ephemeral API each would start its own server).
@@ -47,9 +47,9 @@ def data_stage(corpus: str, tokenizer_path: str, kind: str, workers: int, home: 
     os.environ["LLAMAFLOW_HOME"] = str(home)
     from prefect import flow
 
-    from flows.data import build_data
     from flows.pretrain_config import PretrainConfig
     from tasks.dataset import plan_tokenization
+    from tasks.prepare_data import build_data
     from tasks.tokenize import import_tokenizer
 
     @flow(name="incremental-data-bench", task_runner=_task_runner(kind, workers), log_prints=False)
@@ -58,7 +58,7 @@ def data_stage(corpus: str, tokenizer_path: str, kind: str, workers: int, home: 
         config = PretrainConfig(preset="demo", data=corpus, tokenizer=tokenizer_path)
         planned = plan_tokenization(corpus, tokenizer, config.seq_len)
         started = time.perf_counter()
-        dataset = build_data(config, tokenizer)
+        dataset = build_data(config.data_settings(), tokenizer, config.seq_len, seed=config.seed)
         seconds = time.perf_counter() - started
         return {
             "files_tokenized": sum(len(s.parts) for s in planned),

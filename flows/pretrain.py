@@ -21,17 +21,18 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import cli
-from flows.data import build_data, keep_tokenizer, tokenizer_for
 from flows.pool.placement import check_placement, train_where_placed
 from flows.pool.remote_train import FLOW_TIMEOUT_S
 from flows.pretrain_config import PretrainConfig
 from flows.result import PretrainResult, print_summary
 from model import LlamaConfig
 from tasks import refs
-from tasks.build import build_model
+from tasks.build import build_model, parent_config
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.init_from import resolve_for_run_task
+from tasks.init_from.vocab import check_positions
+from tasks.prepare_data import build_data, keep_tokenizer, prepare_tokenizer
 from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
@@ -56,7 +57,7 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     # and node; a retry or a resumed rerun of this run directory keeps what its start resolved.
     parent = resolve_for_run_task(config.init_from, run_dir)
     tokenizer, model_config = tokenizer_for(config, parent)  # both checked before any data work
-    dataset = build_data(config, tokenizer)
+    dataset = build_data(config.data_settings(), tokenizer, config.seq_len, seed=config.seed)
     model = build_model_task(model_config, seed=config.seed, parent=parent)
     keep_tokenizer(run_dir, tokenizer)
     _log_start(model, dataset, parent)
@@ -71,6 +72,25 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     report.publish_summary(result.model_dump(mode="json"))
     print_summary(result)
     return result
+
+
+def tokenizer_for(
+    config: PretrainConfig, parent: refs.ParentRef | None
+) -> tuple[refs.TokenizerRef, LlamaConfig]:
+    """The run's tokenizer and the architecture it trains, checked against each other before any data work."""
+    base = parent_config(parent) if parent is not None else None
+    tokenizer, rows = prepare_tokenizer(
+        config.data_settings(),
+        vocab_size=config.vocab_size,
+        tokenizer_path=config.tokenizer,
+        parent=parent,
+        base=base,
+        resize_embeddings=config.resize_embeddings,
+    )
+    model_config = config.llama_config(parent=base, vocab_size=rows)
+    if parent is not None:
+        check_positions(config.seq_len, model_config, parent.source)
+    return tokenizer, model_config
 
 
 def _set_up(config: PretrainConfig) -> tuple[str, str, str]:

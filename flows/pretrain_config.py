@@ -1,13 +1,13 @@
 """PretrainConfig: the one validated parameter of the `pretrain` flow.
 
-It is a `TrainSettings` (every training option, defined once in tasks/training/settings.py) plus the
+It is a `TrainSettings` (every training option, defined once in tasks/training/settings.py) and a
+`DataSettings` (every corpus option, tasks/data/settings.py) plus the
 options of the other stages. A named run preset fills in defaults; every field given explicitly
 overrides it. Validation happens here, before any task runs, so bad input costs nothing.
 """
 
 from __future__ import annotations
 
-import glob
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from model import LlamaConfig
+from tasks.data.settings import DataSettings
 from tasks.refs import Promotion
 from tasks.training.settings import TrainSettings
 
@@ -111,9 +112,9 @@ def _check_init_from(source: str) -> None:
         )
 
 
-class PretrainConfig(TrainSettings):
-    """Everything a pretraining run needs: the training options of `TrainSettings` and those of the other
-    stages. `preset` fills defaults; explicit values win.
+class PretrainConfig(TrainSettings, DataSettings):
+    """Everything a pretraining run needs: the training options of `TrainSettings`, the corpus options of
+    `DataSettings` and those of the other stages. `preset` fills defaults; explicit values win.
 
     Two preset values give way to what the user gave: `epochs` given explicitly (without `max_steps`)
     drops the preset's `max_steps`, so epochs set the run length; and the preset's `warmup_steps` is
@@ -126,18 +127,7 @@ class PretrainConfig(TrainSettings):
     preset: Literal["tiny", "demo", "125m"] = Field(
         "demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)"
     )
-    # data
-    data: str | None = Field(
-        None,
-        description="Corpus: None/'stdlib' = this interpreter's standard library sources; a file, directory or glob; 'hf:NAME[:CONFIG]'",
-    )
-    val_data: str | None = Field(
-        None, description="Separate validation corpus (default: a split of `data` by file)"
-    )
-    val_fraction: float = Field(
-        0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for validation"
-    )
-    text_field: str = Field("text", description="Text field of JSON/JSONL/Parquet/HF records")
+    # data (the corpus options are those of DataSettings, tasks/data/settings.py)
     tokenizer: str | None = Field(
         None,
         description="Existing tokenizer.json to use instead of training one (with init_from: one that "
@@ -270,20 +260,6 @@ class PretrainConfig(TrainSettings):
                     f"seq_len={self.seq_len} is larger than the model's max_position_embeddings="
                     f"{model_cfg.max_position_embeddings}: lower seq_len, or raise it with "
                     f"model_overrides={{'max_position_embeddings': {self.seq_len}}}"
-                )
-        for source in (self.data, self.val_data):
-            if source in (None, "stdlib") or source.startswith("hf:"):
-                continue
-            path = Path(source).expanduser()
-            if glob.has_magic(source) and not path.exists():
-                if not any(Path(p).is_file() for p in glob.iglob(str(path), recursive=True)):
-                    raise ValueError(
-                        f"data glob {source!r} matches no files: check the pattern and the working directory"
-                    )
-            elif not path.exists():
-                raise ValueError(
-                    f"data path {source!r} does not exist: give an existing file, directory or glob, "
-                    "'hf:NAME' for a Hugging Face dataset, or leave data unset for the stdlib corpus"
                 )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise ValueError(

@@ -252,7 +252,7 @@ def test_a_user_error_inside_a_task_ends_the_output_alone_with_exit_code_2(tmp_p
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1] == (
         f"error: Directory {empty} holds no files with a known extension ('.txt', '.md', '.py', '.jsonl', "
-        "'.json', '.parquet'); point data at text files."
+        "'.json', '.parquet', '.jsonl.gz', '.jsonl.zst'); point data at text files."
     ), proc.stderr[-3000:]
     log_line = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| ")
     last_log = max(i for i, line in enumerate(lines) if log_line.match(line))

@@ -22,7 +22,6 @@ from prefect.testing.utilities import prefect_test_harness
 from tokenizers import Tokenizer
 
 import flows.pretrain as pretrain_module
-from flows.data import build_data
 from flows.pretrain import pretrain
 from flows.pretrain_config import PretrainConfig
 from flows.result import lineage_lines
@@ -36,6 +35,7 @@ from tasks.export import export_registered
 from tasks.init_from import InitFromError
 from tasks.init_from.parent_cache import weights_sha256
 from tasks.lookup import download_model_files
+from tasks.prepare_data import build_data
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
@@ -176,7 +176,9 @@ MAPPED = ["textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py", "
 
 @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
 def data_stage(config: PretrainConfig, tokenizer_path: str) -> tuple[str, str]:
-    dataset = build_data(config, import_tokenizer(tokenizer_path))
+    dataset = build_data(
+        config.data_settings(), import_tokenizer(tokenizer_path), config.seq_len, seed=config.seed
+    )
     return str(get_run_context().flow_run.id), dataset.fingerprint
 
 

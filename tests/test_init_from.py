@@ -17,7 +17,7 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from flows.data import tokenizer_for
+from flows.pretrain import tokenizer_for
 from flows.pretrain_config import PretrainConfig
 from hf_checkpoint import BOS, COMMIT, EOS, put_in_hf_cache, save_hf_llama
 from model import LlamaForPretraining, get_preset, load_pretrained, save_weights
