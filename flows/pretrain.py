@@ -83,6 +83,7 @@ def tokenizer_for(
         config.data_settings(),
         vocab_size=config.vocab_size,
         tokenizer_path=config.tokenizer,
+        sample_bytes=config.tokenizer_sample_bytes,
         parent=parent,
         base=base,
         resize_embeddings=config.resize_embeddings,

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, model_validator
 from model import LlamaConfig
 from tasks.data.settings import DataSettings
 from tasks.refs import Promotion
+from tasks.tokenize import SAMPLE_BYTES
 from tasks.training.settings import TrainSettings
 
 RUN_PRESETS: dict[str, dict[str, Any]] = {
@@ -132,6 +133,12 @@ class PretrainConfig(TrainSettings, DataSettings):
         None,
         description="Existing tokenizer.json to use instead of training one (with init_from: one that "
         "extends the parent's, see resize_embeddings)",
+    )
+    tokenizer_sample_bytes: int | None = Field(
+        SAMPLE_BYTES,
+        ge=1,
+        description="The BPE trains on at most this many bytes of the train split, a deterministic sample spread "
+        "over it (default 256 MiB; none: all of it)",
     )
     vocab_size: int = Field(
         8192,

@@ -22,7 +22,7 @@ from tasks.init_from import InitFromError
 from tasks.init_from.vocab import check_extends, embedding_rows
 from tasks.refs import DatasetRef, ParentRef, TokenizerRef
 from tasks.scoring import check_byte_level
-from tasks.tokenize import import_tokenizer, train_tokenizer_task
+from tasks.tokenize import SAMPLE_BYTES, import_tokenizer, train_tokenizer_task
 
 
 def prepare_tokenizer(
@@ -30,6 +30,7 @@ def prepare_tokenizer(
     *,
     vocab_size: int,
     tokenizer_path: str | None,
+    sample_bytes: int | None = SAMPLE_BYTES,
     parent: ParentRef | None = None,
     base: LlamaConfig | None = None,
     resize_embeddings: bool = False,
@@ -40,7 +41,9 @@ def prepare_tokenizer(
     tokenizer must fit the embedding (or `resize_embeddings` grows it)."""
     rows = None
     if parent is None:
-        tokenizer = train_tokenizer_task(data, vocab_size, tokenizer_path=tokenizer_path)
+        tokenizer = train_tokenizer_task(
+            data, vocab_size, sample_bytes=sample_bytes, tokenizer_path=tokenizer_path
+        )
     else:
         assert base is not None, "a parent comes with its architecture"
         path = tokenizer_path or parent.tokenizer_path

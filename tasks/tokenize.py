@@ -31,6 +31,9 @@ from tasks.refs import TokenizerRef
 ALGORITHM_VERSION = "bytelevel-bpe-v1"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
+# The tokenizer trains on at most this much of the train split (a deterministic sample spread over it): BPE
+# statistics settle long before a large corpus ends, and training time and memory grow with the text.
+SAMPLE_BYTES = 1 << 28
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 MAX_VOCAB_SIZE = 2**32 - 1
 _BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -51,8 +54,12 @@ def _check_vocab_size(vocab_size: int) -> None:
         )
 
 
-def tokenizer_fingerprint(train_fingerprint: str, vocab_size: int, min_frequency: int) -> str:
-    return blake(ALGORITHM_VERSION, train_fingerprint, str(vocab_size), str(min_frequency))
+def tokenizer_fingerprint(
+    train_fingerprint: str, vocab_size: int, min_frequency: int, sample: str = ""
+) -> str:
+    """`sample`: what a bounded sample of the train split adds ("" when the tokenizer saw all of it)."""
+    extra = (sample,) if sample else ()
+    return blake(ALGORITHM_VERSION, train_fingerprint, str(vocab_size), str(min_frequency), *extra)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -92,6 +99,7 @@ def train_tokenizer(
     hf_split: str | None = None,
     hf_val_split: str | None = None,
     min_frequency: int = 2,
+    sample_bytes: int | None = SAMPLE_BYTES,
     tokenizer_path: str | Path | None = None,
     seed: int | None = None,
 ) -> TokenizerRef:
@@ -114,7 +122,8 @@ def train_tokenizer(
         hf_split=hf_split,
         hf_val_split=hf_val_split,
     )
-    fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, vocab_size, min_frequency)
+    texts, sample = corpus.train.sample(sample_bytes)
+    fingerprint = tokenizer_fingerprint(corpus.train.fingerprint, vocab_size, min_frequency, sample)
     directory = tokenizers_dir() / fingerprint
     if is_complete(directory):
         data_logger().info(f"tokenizer {fingerprint}: cached at {directory}")
@@ -135,7 +144,7 @@ def train_tokenizer(
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tokenizer.train_from_iterator(corpus.train.texts(), trainer=trainer)
+        tokenizer.train_from_iterator(texts, trainer=trainer)
         ids = {
             "bos_id": tokenizer.token_to_id(BOS),
             "eos_id": tokenizer.token_to_id(EOS),
@@ -147,6 +156,7 @@ def train_tokenizer(
             "corpus": corpus.train.description,
             "train_fingerprint": corpus.train.fingerprint,
             "requested_vocab_size": vocab_size,
+            "sample": sample or "whole train split",
         }
         _write(directory, tokenizer, fingerprint, ids, stats)
         data_logger().info(
@@ -237,8 +247,11 @@ def _tokenizer_cache_key(context: TaskRunContext, parameters: dict[str, Any]) ->
         hf_split=args.get("hf_split"),
         hf_val_split=args.get("hf_val_split"),
     )
+    _, sample = corpus.train.sample(
+        args.get("sample_bytes", SAMPLE_BYTES)
+    )  # the choice only: nothing is read
     fingerprint = tokenizer_fingerprint(
-        corpus.train.fingerprint, args.get("vocab_size", 8192), args.get("min_frequency", 2)
+        corpus.train.fingerprint, args.get("vocab_size", 8192), args.get("min_frequency", 2), sample
     )
     return prefect_cache_key("train_tokenizer", fingerprint, tokenizers_dir() / fingerprint)
 

@@ -115,3 +115,26 @@ def test_check_vocab_fits(home: Path, corpus_dir: Path) -> None:
     check_vocab_fits(ref, 512)
     with pytest.raises(DataError, match=r"400 tokens but the model's vocab_size is 256.*at least 400.*448"):
         check_vocab_fits(ref, 256)
+
+
+def test_a_bounded_sample_of_the_train_split_is_deterministic_and_spread_over_it(
+    home: Path, corpus_dir: Path
+) -> None:
+    train = resolve_corpus(str(corpus_dir), val_fraction=0.2).train
+    size = sum(part.file.size for part in train.parts)
+    whole = train_tokenizer(str(corpus_dir), VOCAB, val_fraction=0.2)
+    assert train_tokenizer(str(corpus_dir), VOCAB, val_fraction=0.2, sample_bytes=size) == whole  # all of it
+    assert train_tokenizer(str(corpus_dir), VOCAB, val_fraction=0.2, sample_bytes=None) == whole
+
+    texts, tag = train.sample(size // 3)
+    sampled = list(texts)
+    assert tag == f"sample={size // 3}" and sampled == list(train.sample(size // 3)[0])  # deterministic
+    full = list(train.texts())
+    assert set(sampled) < set(full) and len(sampled) >= 2
+    assert sum(len(t.encode()) for t in sampled[:-1]) < size // 3  # stops once the budget is spent
+    assert sampled != full[: len(sampled)]  # chosen over the whole split, not its first files
+    small = train_tokenizer(str(corpus_dir), VOCAB, val_fraction=0.2, sample_bytes=size // 3)
+    assert small.fingerprint != whole.fingerprint
+    assert Path(small.path).read_bytes() != Path(whole.path).read_bytes()  # trained on the sample
+    stats = json.loads((Path(small.path).parent / "meta.json").read_text())["stats"]
+    assert stats["sample"] == f"sample={size // 3}"

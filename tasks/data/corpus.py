@@ -73,6 +73,35 @@ class CorpusSplit:
         for part in self.parts:
             yield from part_texts(part, self.text_field)
 
+    def sample(self, limit: int | None) -> tuple[Iterator[str], str]:
+        """About `limit` bytes of this split's documents, chosen by their identity (deterministic, spread over
+        the whole split), and what the choice adds to a fingerprint ("" when the split is taken whole)."""
+        size = None if self.table is not None else sum(p.file.size for p in self.parts)
+        if limit is None or (size is not None and size <= limit):
+            return self.texts(), ""
+        rate = 1.0 if not size else min(1.0, limit / size)  # a table's size is unknown: its first documents
+        return self._sampled(rate, limit), f"sample={limit}"
+
+    def _sampled(self, rate: float, limit: int) -> Iterator[str]:
+        left = limit
+        for text in self._sample_candidates(rate):
+            yield text
+            left -= len(text.encode("utf-8"))
+            if left <= 0:
+                return
+
+    def _sample_candidates(self, rate: float) -> Iterator[str]:
+        if self.table is not None:
+            yield from self.texts()
+            return
+        for part in self.parts:
+            if part.select is not None:
+                yield from (t for t in part_texts(part, self.text_field) if unit_hash(f"sample:{t}") < rate)
+            elif (
+                unit_hash(f"sample:{part.file.relpath}") < rate
+            ):  # a whole file out of the sample is not read
+                yield from part_texts(part, self.text_field)
+
     def dataset(self, *, streaming: bool = False):  # -> datasets.Dataset | datasets.IterableDataset
         """A `datasets` object with one column `text`, one row per document."""
         if self.table is not None:
