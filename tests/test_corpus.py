@@ -192,6 +192,13 @@ def test_compressed_jsonl_parquet_shards_and_saved_datasets(tmp_path: Path) -> N
     datasets.DatasetDict({"train": table, "dev": table.select(range(5))}).save_to_disk(str(tmp_path / "dict"))
     named = resolve_corpus(str(tmp_path / "dict"), hf_val_split="dev")
     assert set(named.val.texts()) == {r["text"] for r in records[:5]}
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.jsonl.gz").write_bytes(gzip.compress(lines[0] + b'{"text": "caf\xe9"}\n'))
+    with pytest.raises(DataError, match=r"a\.jsonl\.gz holds text that is not UTF-8"):
+        _texts(resolve_corpus(str(tmp_path / "bad"), val_fraction=0.2))
+    (tmp_path / "bad" / "a.jsonl.gz").write_bytes(gzip.compress(lines[0] + b'{"text": \n'))
+    with pytest.raises(DataError, match=r"a\.jsonl\.gz:2 is not valid JSON"):
+        _texts(resolve_corpus(str(tmp_path / "bad"), val_fraction=0.2))
     with pytest.raises(DataError, match=r"no split 'test'; its splits are \['train', 'dev'\]"):
         resolve_corpus(str(tmp_path / "dict"), hf_split="test")
 

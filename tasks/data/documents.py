@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tasks.data.errors import DataError, unit_hash
+from tasks.data.errors import DataError, not_utf8, unit_hash
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, HashingReader, records, text_documents
 
@@ -57,9 +57,12 @@ def part_texts(part: FilePart, text_field: str) -> Iterator[str]:
         ) from err
     with handle:
         raw = HashingReader(handle)
-        for identity, text in _documents(file, raw, text_field):
-            if part.select is None or is_val(identity, part.select[1]) == (part.select[0] == VAL):
-                yield text
+        try:
+            for identity, text in _documents(file, raw, text_field):
+                if part.select is None or is_val(identity, part.select[1]) == (part.select[0] == VAL):
+                    yield text
+        except UnicodeDecodeError as err:  # inside a compressed file: its bytes were not checked when listed
+            raise not_utf8(file.path, err) from err
         digest, size = raw.finish()
     if digest != file.digest:
         raise DataError(

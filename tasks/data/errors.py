@@ -11,6 +11,11 @@ class DataError(ValueError):
     """Bad data input; the message names the problem and the fix."""
 
 
+def not_utf8(path: str, err: UnicodeDecodeError) -> DataError:
+    """The error for text inside a compressed file that is not UTF-8 (plain files are skipped with a warning)."""
+    return DataError(f"{path} holds text that is not UTF-8 ({err.reason}); re-encode it as UTF-8.")
+
+
 class DataWarning(UserWarning):
     """Something in the corpus was skipped."""
 

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.errors import DataError, DataWarning
+from tasks.data.errors import DataError, DataWarning, not_utf8
 from tasks.data.formats import KNOWN_SUFFIXES, RECORD_SUFFIXES, record_fields, split_suffix
 
 
@@ -111,7 +111,10 @@ def check_text_field(file: SourceFile, text_field: str) -> None:
     """Fail fast when a record file lacks the text field, naming the fields it has."""
     if file.kind not in RECORD_SUFFIXES:
         return
-    fields = record_fields(file.path)
+    try:
+        fields = record_fields(file.path)
+    except UnicodeDecodeError as err:  # a compressed file: its text was not checked with its bytes
+        raise not_utf8(file.path, err) from err
     if fields is not None and text_field not in fields:
         raise DataError(
             f"{file.path} has no field {text_field!r}; its fields are {fields}. Pass text_field= one of those."

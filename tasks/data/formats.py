@@ -130,7 +130,12 @@ def records(
         return
     for number, line in enumerate(handle, start=1):
         if line.strip():
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"{path}:{number} is not valid JSON ({err.msg}); fix or remove that line."
+                ) from err
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number} is not a JSON object; each line must be one.")
             yield record
