@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from prefect import flow
 
+from stdlib_corpus import MODULES, copy_modules
 from tasks.data import tokens
 from tasks.data.settings import DataSettings
 from tasks.dataset import plan_tokenization
 from tasks.prepare_data import build_data, tokenize_shards
 from tasks.refs import DatasetRef, TokenizerRef
 from tasks.tokenize import train_tokenizer
-from tests.test_incremental_data import FILES, _corpus
 
 SEQ_LEN = 32
+FILES = MODULES[:7]
 
 
 @flow
@@ -32,7 +33,8 @@ def _build(data: DataSettings, tokenizer: TokenizerRef) -> tuple[DatasetRef, lis
 def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    corpus = _corpus(tmp_path / "corpus", FILES)
+    corpus = tmp_path / "corpus"
+    copy_modules(corpus, FILES)
     monkeypatch.setattr(tokens, "SHARD_BYTES", 16 << 10)  # several shards for the workers to share
     built = {}
     for runner in ("threads", "dask"):

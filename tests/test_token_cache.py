@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 import tasks.dataset
 from flows import cache as cache_cli
+from stdlib_corpus import MODULES, copy_modules
 from tasks.data import token_store
 from tasks.data.corpus import DataError, resolve_corpus
 from tasks.data.documents import part_texts
@@ -25,14 +26,15 @@ from tasks.dataset import build_dataset, plan_tokenization
 from tasks.home import PROJECT_ROOT
 from tasks.refs import TokenizerRef
 from tasks.tokenize import train_tokenizer
-from tests.test_incremental_data import FILES, _corpus
 
 SEQ_LEN = 32
+FILES = MODULES[:7]
 
 
 @pytest.fixture()
 def corpus_dir(tmp_path: Path) -> Path:
-    return _corpus(tmp_path / "corpus", FILES)
+    copy_modules(tmp_path / "corpus", FILES)
+    return tmp_path / "corpus"
 
 
 @pytest.fixture()
