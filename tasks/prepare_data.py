@@ -80,7 +80,11 @@ def _dask_runner(data: DataSettings) -> Any:
     if data.dask_address is not None:
         return DaskTaskRunner(address=data.dask_address)
     return DaskTaskRunner(
-        cluster_kwargs={"n_workers": data.dask_workers, "threads_per_worker": 1, "processes": True}
+        cluster_kwargs={
+            "n_workers": data.dask_workers,
+            "threads_per_worker": 1,
+            "processes": True,
+        }
     )
 
 

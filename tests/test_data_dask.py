@@ -5,11 +5,15 @@ in the workers, not in this process."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.context import get_run_context
 
 from stdlib_corpus import MODULES, copy_modules
 from tasks.data import tokens
@@ -24,10 +28,27 @@ FILES = MODULES[:7]
 
 
 @flow
-def _build(data: DataSettings, tokenizer: TokenizerRef) -> tuple[DatasetRef, list[dict[str, float]]]:
+def _build(data: DataSettings, tokenizer: TokenizerRef) -> tuple[DatasetRef, list[dict[str, float]], str]:
     shards = plan_tokenization(data, tokenizer, SEQ_LEN)
     ran = tokenize_shards(shards, data)
-    return build_data(data, tokenizer, SEQ_LEN, seed=0), ran
+    return build_data(data, tokenizer, SEQ_LEN, seed=0), ran, str(get_run_context().flow_run.id)
+
+
+def _recorded_shard_runs(flow_run_id: str, expected: int) -> int:
+    """tokenize_shard runs this flow run's API recorded as completed (recorded from events: 30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+        done = sum(
+            r.name.startswith("tokenize_shard") and r.state is not None and r.state.is_completed()
+            for r in runs
+        )
+        if done >= expected or time.monotonic() > deadline:
+            return done
+        time.sleep(0.5)
 
 
 def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_builds(
@@ -42,10 +63,13 @@ def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_bu
         tokenizer = train_tokenizer(str(corpus), 300, val_fraction=0.2)
         settings = DataSettings(data=str(corpus), val_fraction=0.2, task_runner=runner)
         built[runner] = _build(settings, tokenizer)
-    (threads, by_threads), (dask, by_dask) = built["threads"], built["dask"]
+    (threads, by_threads, _), (dask, by_dask, dask_run) = built["threads"], built["dask"]
     assert len(by_dask) == len(by_threads) >= 2
     assert {int(r["pid"]) for r in by_threads} == {os.getpid()}
     assert os.getpid() not in {int(r["pid"]) for r in by_dask}
+    assert _recorded_shard_runs(dask_run, len(by_dask)) == len(
+        by_dask
+    )  # the workers report to the flow's API
     assert dask.fingerprint == threads.fingerprint
     for split in ("train", "val"):
         np.testing.assert_array_equal(
