@@ -59,6 +59,7 @@ NON_DEFAULT_FLAGS = {
     "nnodes": ["--nnodes", "2"],
     "max_restarts": ["--max-restarts", "3"],
     "rdzv_endpoint": ["--rdzv-endpoint", "127.0.0.1:29400"],
+    "node_rank": ["--node-rank", "1"],
     "rdzv_id": ["--rdzv-id", "job-1"],
     "rdzv_timeout_s": ["--rdzv-timeout-s", "60"],
     "process_group_timeout_min": ["--process-group-timeout-min", "5"],
