@@ -75,6 +75,11 @@ def _study(root: Path, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=storage)
 
 
+def _trials_dir(root: Path, name: str) -> Path:
+    """Where the study `name` keeps its trials' directories (one folder per study: see flows.sweep.flow)."""
+    return root / "home" / "sweeps" / name / f"study-{_study(root, name).user_attrs['uid'][:8]}"
+
+
 def _wait(condition, timeout_s: float, what: str, log: Path) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -100,16 +105,15 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     }
     log = root / f"{name}.log"
     first = _sweep(root, env, spec)
-    trial_dir = root / "home" / "sweeps" / name
 
     def two_done_and_the_third_checkpointed() -> bool:
         if first.poll() is not None:
             raise AssertionError(f"the sweep ended before it was killed:\n{tail(log)}")
-        if not (trial_dir / "optuna.journal").is_file():
+        if not (root / "home" / "sweeps" / name / "optuna.journal").is_file():
             return False
         trials = _study(root, name).get_trials()
         done = sum(t.state == TrialState.COMPLETE for t in trials)
-        return done == 2 and any((trial_dir / "trial-002" / "run").glob("step_*"))
+        return done == 2 and any((_trials_dir(root, name) / "trial-002" / "run").glob("step_*"))
 
     try:
         _wait(
@@ -119,6 +123,7 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
         with contextlib.suppress(ProcessLookupError):
             os.kill(first.pid, signal.SIGKILL)
         first.wait()
+    trial_dir = _trials_dir(root, name)
     running = _study(root, name).trials[2]
     assert running.state == TrialState.RUNNING
     # The trial's process sees its sweep die (PR_SET_PDEATHSIG) and stops by itself, after a checkpoint.
@@ -149,6 +154,7 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     assert [r.info.run_name for r in children] == [f"{name}-trial-{n:03d}" for n in range(3)]
     for run, trial in zip(children, trials, strict=True):
         assert run.data.tags["llamaflow.sweep.state"] == "COMPLETE" and run.info.status == "FINISHED"
+        assert run.info.run_id == trial.user_attrs["mlflow_run_id"]
         assert run.data.params["lr"] == str(trial.params["lr"])
         assert run.data.metrics["val/bits_per_byte"] == pytest.approx(trial.value)
     client = store.get_client(env["MLFLOW_TRACKING_URI"])
@@ -205,3 +211,37 @@ def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> Non
     assert 2 <= max(m.step for m in trained) < steps  # stopped early, after its first score
     assert weak.user_attrs["steps"] == max(m.step for m in trained)
     assert good.user_attrs["steps"] == steps
+
+
+def test_a_sweep_started_over_under_the_same_name_never_touches_the_old_ones_runs(world: tuple) -> None:
+    """Its journal deleted, the same spec runs again: a new study, whose trial has the same number and
+    run name as the old one's. Its trial trains from scratch in a run of its own; the old run keeps its
+    parent, its tags and its metrics (by run name, the old run was scored and re-parented, and the old
+    trial directory's checkpoint and MLflow run were resumed)."""
+    root, env, data = world
+    name = "again"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 4, "checkpoint_every": 4, "eval_max_blocks": 2},
+        "space": {"lr": {"choices": [0.003]}},
+        "sampler": "grid",
+    }
+    log = root / f"{name}.log"
+    assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
+    (old,) = _study(root, name).get_trials()
+    client = store.get_client(env["MLFLOW_TRACKING_URI"])
+    before = client.get_run(old.user_attrs["mlflow_run_id"])
+
+    (root / "home" / "sweeps" / name / "optuna.journal").unlink()
+    assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
+    (new,) = _study(root, name).get_trials()
+    assert new.user_attrs["mlflow_run_id"] != before.info.run_id
+    after = client.get_run(before.info.run_id)
+    assert after.data.tags == before.data.tags  # not re-parented, not re-tagged
+    assert after.data.metrics == before.data.metrics
+    run = client.get_run(new.user_attrs["mlflow_run_id"])
+    assert run.info.run_name == before.info.run_name == f"{name}-trial-000"
+    assert run.data.tags["mlflow.parentRunId"] != before.data.tags["mlflow.parentRunId"]
+    assert run.data.metrics["val/bits_per_byte"] == pytest.approx(new.value)
+    output = (_trials_dir(root, name) / "trial-000" / "output.log").read_text()
+    assert "resuming from checkpoint" not in output

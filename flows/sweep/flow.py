@@ -51,8 +51,10 @@ from flows.sweep.study import (
     home_free,
     open_study,
     storage_url,
+    study_uid,
     suggest,
     sweep_dir,
+    trial_key,
 )
 from flows.sweep.trials import SweepContext, TrialOutcome, TrialPlan, run_trial
 from tasks.home import apply_embedded_defaults
@@ -94,7 +96,14 @@ def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
     print(f"MLflow: {store.run_link(ctx.parent_run_id, uri)}")
     started = time.monotonic()
     try:
-        _run_trials(study, ctx, spec.n_trials, _search_plan, draw=lambda t: suggest(t, spec), recall=_params)
+        _run_trials(
+            study,
+            ctx,
+            spec.n_trials,
+            _search_plan(ctx, study),
+            draw=lambda t: suggest(t, spec),
+            recall=_params,
+        )
     finally:
         log_results(spec, study, ctx.parent_run_id, uri)
     print(markdown_table(trial_rows(study)))
@@ -134,7 +143,11 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         if PREFECT_API_URL.value():
             limit = spec.concurrency_limit or _default_limit(spec, client)
             _ensure_limit(client, limit, spec.parallel)
-    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit)
+    # The trials' directories belong to this study: one started over under the same name (its journal
+    # deleted, another storage) must not resume the checkpoints, or continue the MLflow runs, of the old one.
+    uid = study_uid(study)
+    directory = sweep_dir(spec.name) / f"study-{uid[:8]}"
+    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit, uid, directory)
 
 
 def _default_limit(spec: SweepSpec, client: Any) -> str:
@@ -173,29 +186,40 @@ def _attrs(trial: optuna.trial.Trial | FrozenTrial) -> dict[str, Any]:
     return dict(trial.user_attrs)
 
 
-def _search_plan(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
-    number = claimed.trial.number
-    return _plan(spec, number, "search", claimed.params, f"trial-{number:03d}", {}, claimed.adopted)
+def _search_plan(ctx: SweepContext, study: optuna.Study) -> Callable[[Claimed], TrialPlan]:
+    def plan_for(claimed: Claimed) -> TrialPlan:
+        number, key = claimed.trial.number, trial_key(study, claimed.trial)
+        return _plan(ctx, number, "search", claimed.params, f"trial-{number:03d}", {}, claimed.adopted, key)
+
+    return plan_for
 
 
 def _plan(
-    spec: SweepSpec, number: int, kind: str, params: dict, label: str, extra: dict, adopted: bool
+    ctx: SweepContext,
+    number: int,
+    kind: str,
+    params: dict,
+    label: str,
+    extra: dict,
+    adopted: bool,
+    key: str,
 ) -> TrialPlan:
-    directory = sweep_dir(spec.name) / label
+    spec = ctx.spec
+    directory = ctx.directory / label
     values = {**trial_values(spec, params), **extra, "run_name": f"{spec.name}-{label}"}
     if kind != "winner":
         values["model_name"] = spec.sweep_model_name()
     if spec.launch == "local":
         values["checkpoint_dir"] = str(directory / "run")
     prune = kind == "search" and spec.pruner.name != "none"
-    return TrialPlan(number, kind, params, values, directory, prune, adopted)
+    return TrialPlan(number, kind, params, values, directory, prune, adopted, key)
 
 
 def _run_trials(
     study: optuna.Study,
     ctx: SweepContext,
     total: int,
-    plan_for: Callable[[SweepSpec, Claimed], TrialPlan],
+    plan_for: Callable[[Claimed], TrialPlan],
     draw: Callable[[optuna.trial.Trial], dict[str, Any]],
     recall: Callable[[FrozenTrial], dict[str, Any]],
 ) -> None:
@@ -209,7 +233,7 @@ def _run_trials(
                 claimed = claim_next(study, total, mine, draw, recall)
                 if claimed is None:
                     break
-                plan = plan_for(spec, claimed)
+                plan = plan_for(claimed)
                 mine.add(plan.number)
                 resumed = " (resumed: its sweep was stopped)" if claimed.adopted else ""
                 command = pretrain_command(trial_values(spec, plan.params))
@@ -282,12 +306,11 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
     print(f"confirmation: {len(candidates)} configurations x {len(spec.seeds)} seeds")
     total = len(candidates) * len(spec.seeds)
 
-    def plan_for(spec: SweepSpec, claimed: Claimed) -> TrialPlan:
-        a = claimed.params
+    def plan_for(claimed: Claimed) -> TrialPlan:
+        a, key = claimed.params, trial_key(confirm, claimed.trial)
         label = f"confirm-{a['candidate']}-seed{a['seed']}"
-        return _plan(
-            spec, claimed.trial.number, "confirm", a["params"], label, {"seed": a["seed"]}, claimed.adopted
-        )
+        extra = {"seed": a["seed"]}
+        return _plan(ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key)
 
     _run_trials(confirm, ctx, total, plan_for, draw=_attrs, recall=_attrs)
     values: dict[str, dict[int, float]] = {}
@@ -308,7 +331,8 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
     (the alias moves only when it is better) decides, exactly as for the printed command."""
     if not advice.params:
         return ["nothing registered: " + ("no trial completed" if advice.params is None else "keep the base")]
-    plan = _plan(spec, -1, "winner", advice.params, "winner", {}, adopted=False)
+    key = f"{ctx.study_uid}.winner"
+    plan = _plan(ctx, -1, "winner", advice.params, "winner", {}, adopted=False, key=key)
     print(f"registering the winner: {pretrain_command(trial_values(spec, advice.params))}")
     outcome = run_trial(plan, None, ctx)
     if outcome.state != TrialState.COMPLETE or outcome.run_id is None:

@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ HEARTBEAT_S = 15.0
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 # A trial's user attributes (what the sweep records beside Optuna's own): OWNER is {host, pid, started}.
 OWNER, HEARTBEAT = "owner", "heartbeat"
+# The study's own id, made when it is created: Optuna's study and trial ids start again at 0 in a new
+# storage, so a sweep started over under the same name would reuse them.
+STUDY_UID = "uid"
 
 
 class SpecChangedError(ValueError):
@@ -117,6 +121,8 @@ def open_study(
     if recorded is None:
         study.set_user_attr("search", fingerprint)
         study.set_user_attr("spec", spec.model_dump(mode="json"))
+    if STUDY_UID not in study.user_attrs:  # a new study (or one made before the sweep gave studies ids)
+        study.set_user_attr(STUDY_UID, uuid.uuid4().hex)
     elif recorded != fingerprint:
         raise SpecChangedError(
             f"study {study.study_name!r} in {home_free(storage_url(spec))} was made from another base, space, "
@@ -124,6 +130,15 @@ def open_study(
             "another name"
         )
     return study
+
+
+def study_uid(study: optuna.Study) -> str:
+    return str(study.user_attrs[STUDY_UID])
+
+
+def trial_key(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> str:
+    """The tag value that names one trial of one study, in every store and across restarts."""
+    return f"{study_uid(study)}.{trial._trial_id}"
 
 
 def existing_study(spec: SweepSpec, suffix: str = "") -> optuna.Study | None:

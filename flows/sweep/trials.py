@@ -2,7 +2,10 @@
 --config`, the command line itself) or on the pool (a run of the pretrain deployment), watched until it
 ends.
 
-The trial's MLflow run carries its periodic validation scores (`val_subset/...`, logged by the engine every
+The trial's MLflow run is found by a tag that names the trial and nothing else, never by its run name (a
+sweep started over under the same name reuses the names): a local trial's run gets `llamaflow.sweep.key`
+(the study's own id and Optuna's trial id) when the child creates it (MLflow's MLFLOW_RUN_CONTEXT), a
+deployment trial's run is the one tagged with its flow run's id. The run carries its periodic validation scores (`val_subset/...`, logged by the engine every
 `eval_every` steps): they are reported to Optuna as they appear there, which works the same for a child
 process and for a worker on another machine. A trial the pruner stops is stopped like any run (SIGTERM to
 the child, cancellation of the flow run): training writes a checkpoint and ends. A child process also
@@ -12,6 +15,7 @@ stops whatever of it still runs, then starts it again on the same run directory,
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,6 +32,7 @@ from typing import Any
 import optuna
 import psutil
 import yaml
+from mlflow.entities import RunTag
 from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
@@ -36,17 +41,20 @@ from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step
 from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking import store
+from tasks.tracking.runs import FLOW_RUN_TAG
 
 # How often a running trial's MLflow run is read (its scores reach MLflow within ~1 s of the step).
 POLL_S = float(os.environ.get("LLAMAFLOW_SWEEP_POLL_S", "2"))
 LEASE_S = 120.0  # a slot of a killed sweep frees itself after this, unless the next sweep frees it first
 CHILD, FLOW_RUN, LEASE = "child", "flow_run_id", "lease_id"  # trial user attributes
-TAG_SWEEP, TAG_TRIAL, TAG_STATE, TAG_KIND = (
+TAG_SWEEP, TAG_TRIAL, TAG_STATE, TAG_KIND, TAG_KEY = (
     "llamaflow.sweep",
     "llamaflow.sweep.trial",
     "llamaflow.sweep.state",
     "llamaflow.sweep.kind",
+    "llamaflow.sweep.key",
 )
+RUN_CONTEXT_ENV = "MLFLOW_RUN_CONTEXT"  # MLflow adds this JSON's tags to every run the process creates
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -62,6 +70,7 @@ class TrialPlan:
     directory: Path  # config.yaml and output.log here; the run's checkpoints too when it runs locally
     prune: bool
     adopted: bool
+    key: str  # the trial's own tag value: its study's id and its trial id (flows.sweep.study.trial_key)
 
     @property
     def run_name(self) -> str:
@@ -88,6 +97,8 @@ class SweepContext:
         str  # the Prefect API the trials report to (this sweep's temporary server on the embedded default)
     )
     limit: str | None  # Prefect global concurrency limit; None on the embedded API (see flows.sweep)
+    study_uid: str  # the search study's own id (flows.sweep.study.study_uid)
+    directory: Path  # the study's trial directories
     stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
 
 
@@ -99,7 +110,7 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
             LocalTrial(plan, ctx, trial) if ctx.spec.launch == "local" else DeploymentTrial(plan, ctx, trial)
         )
         launcher.start()
-        watch = RunWatch(plan, ctx)
+        watch = RunWatch(plan, ctx, launcher.run_filter())
         scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
         stop_sent, shutdown, beat = False, False, 0.0
         while True:
@@ -185,6 +196,8 @@ class LocalTrial:
         env = dict(os.environ)
         env["PREFECT_API_URL"] = self.ctx.api_url
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        context = json.loads(env.get(RUN_CONTEXT_ENV) or "{}")
+        env[RUN_CONTEXT_ENV] = json.dumps({**context, TAG_KEY: self.plan.key})
         if self.ctx.spec.parallel > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.spec.parallel))
         command = [sys.executable, "-m", "flows.sweep.child", str(os.getpid()), "--config", str(config)]
@@ -195,6 +208,9 @@ class LocalTrial:
             self.trial.set_user_attr(
                 CHILD, {"host": socket.gethostname(), "pid": pid, "started": start_mark(pid)}
             )
+
+    def run_filter(self) -> str:
+        return f"tags.`{TAG_KEY}` = '{self.plan.key}'"
 
     def poll(self) -> tuple[bool, str] | None:
         assert self.process is not None
@@ -268,6 +284,9 @@ class DeploymentTrial:
         with get_client(sync_client=True) as client:
             return client.read_flow_run(flow_run_id).state
 
+    def run_filter(self) -> str:
+        return f"tags.`{FLOW_RUN_TAG}` = '{self.flow_run_id}'"
+
     def poll(self) -> tuple[bool, str] | None:
         assert self.flow_run_id is not None
         state = self._state(self.flow_run_id)
@@ -286,10 +305,12 @@ class DeploymentTrial:
 
 
 class RunWatch:
-    """The trial's MLflow run: found by its run name, made a child of the sweep's run, read for scores."""
+    """The trial's MLflow run: found by its own tag (`run_filter`), made a child of the sweep's run, read for
+    scores. Looked up again until the trial ends: a trial killed before its run directory recorded its
+    run starts a new one with the same tag, and the newest is the one that trains."""
 
-    def __init__(self, plan: TrialPlan, ctx: SweepContext) -> None:
-        self.plan, self.ctx = plan, ctx
+    def __init__(self, plan: TrialPlan, ctx: SweepContext, run_filter: str) -> None:
+        self.plan, self.ctx, self.run_filter = plan, ctx, run_filter
         self.client = store.get_client(ctx.uri)
         self.experiment = PretrainConfig(**plan.values).experiment
         self.run_id: str | None = None
@@ -297,23 +318,26 @@ class RunWatch:
         self.score_key = METRICS[ctx.spec.metric][1]
 
     def _find(self) -> str | None:
-        if self.run_id is None:
-            experiment = self.client.get_experiment_by_name(self.experiment)
-            if experiment is None:
-                return None
-            found = self.client.search_runs(
-                [experiment.experiment_id],
-                filter_string=f"attributes.run_name = '{self.plan.run_name}'",
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
-            )
-            if found:
-                self.run_id = found[0].info.run_id
-                self.client.set_tag(self.run_id, "mlflow.parentRunId", self.ctx.parent_run_id)
-                self.client.set_tag(self.run_id, TAG_SWEEP, self.ctx.spec.name)
-                self.client.set_tag(self.run_id, TAG_TRIAL, str(self.plan.number))
-                self.client.set_tag(self.run_id, TAG_KIND, self.plan.kind)
-                self.client.set_tag(self.run_id, TAG_STATE, "RUNNING")
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        if experiment is None:
+            return None
+        found = self.client.search_runs(
+            [experiment.experiment_id],
+            filter_string=self.run_filter,
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if found and found[0].info.run_id != self.run_id:
+            self.run_id = found[0].info.run_id
+            tags = {
+                "mlflow.parentRunId": self.ctx.parent_run_id,
+                TAG_SWEEP: self.ctx.spec.name,
+                TAG_TRIAL: str(self.plan.number),
+                TAG_KEY: self.plan.key,
+                TAG_KIND: self.plan.kind,
+                TAG_STATE: "RUNNING",
+            }
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         return self.run_id
 
     def new_scores(self) -> list[tuple[int, float]]:
