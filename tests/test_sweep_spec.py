@@ -3,9 +3,11 @@ printed command line are the same configuration."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -13,9 +15,17 @@ from pydantic import ValidationError
 from flows.cli import config_from_args, describe_validation_error
 from flows.pretrain_config import PretrainConfig
 from flows.sweep import main
-from flows.sweep.report import compare, paired_p_value
-from flows.sweep.spec import check_spec, pretrain_command, tokens_per_step, trial_values
-from flows.sweep.study import sampler_of, search_fingerprint
+from flows.sweep.report import (
+    SIGNIFICANCE,
+    compare,
+    confirmation_lines,
+    corrected,
+    holm,
+    paired_p_value,
+    recommend,
+)
+from flows.sweep.spec import Pruner, check_spec, pretrain_command, tokens_per_step, trial_values
+from flows.sweep.study import STORAGE_ENV, sampler_of, search_fingerprint, storage_url
 
 GOOD = {
     "name": "wd",
@@ -122,13 +132,54 @@ def test_the_printed_command_gives_the_trials_configuration() -> None:
     command = pretrain_command(values)
     assert command.startswith("python -m flows.pretrain --preset tiny ")
     assert config_from_args(shlex.split(command)[3:]) == config
-    # The study is tied to what its trials were drawn from; the trial count and parallelism may change.
+    # The study is tied to everything its results depend on; parallelism and where trials run may change.
     assert search_fingerprint(spec) == search_fingerprint(
-        spec.model_copy(update={"trials": 2, "parallel": 3})
+        spec.model_copy(update={"parallel": 3, "launch": "deployment"})
     )
-    assert search_fingerprint(spec) != search_fingerprint(
-        check_spec({**GOOD, "sampler": "random", "trials": 3})
+    for changed in ({"trials": 2}, {"seeds": [1, 2]}, {"confirm_top": 2}, {"pruner": Pruner(name="none")}):
+        assert search_fingerprint(spec) != search_fingerprint(spec.model_copy(update=changed)), changed
+
+
+def test_rungs_count_the_same_tokens_for_every_trial_whatever_its_batch() -> None:
+    spec = check_spec(
+        {
+            "name": "rungs",
+            "base": {
+                "preset": "tiny",
+                "eval_every": 8,
+                "micro_batch_size": 4,
+                "accumulate_steps": 1,
+                "seq_len": 64,
+            },
+            "space": {"micro_batch_size": {"choices": [2, 4, 16]}, "nnodes": {"choices": [1, 2]}},
+            "sampler": "grid",
+            "pruner": "asha",
+            "budget": {"tokens": 200_000},
+        }
     )
+    first_rung = 8 * 4 * 64  # the base's eval_every, in tokens
+    assert spec.first_rung() == first_rung
+    for batch in (2, 4, 16):
+        for nodes in (1, 2):
+            config = PretrainConfig(**trial_values(spec, {"micro_batch_size": batch, "nnodes": nodes}))
+            assert tokens_per_step(config) == batch * 64 * nodes  # every node's batch counts
+            assert config.eval_every * tokens_per_step(config) == first_rung  # scored at the same tokens
+            assert config.max_steps == 200_000 // tokens_per_step(config)
+    # A step budget counts steps for every trial: eval_every stays the base's.
+    steps = check_spec({**GOOD, "budget": {"steps": 40}, "space": {"micro_batch_size": {"choices": [2, 16]}}})
+    assert PretrainConfig(**trial_values(steps, {"micro_batch_size": 16})).eval_every == 10
+
+
+def test_a_storage_that_is_neither_a_journal_nor_a_database_url_is_refused_naming_both(monkeypatch) -> None:
+    assert problems({**GOOD, "storage": "/tmp/sweeps.db"}) == [
+        "  storage: storage='/tmp/sweeps.db' is neither journal:PATH (an Optuna journal file, "
+        "e.g. journal:/tmp/sweeps.db) nor a database URL (postgresql+psycopg://USER@HOST/DB, sqlite:///PATH)"
+    ]
+    for good in ("journal:/tmp/x.journal", "sqlite:///x.db", "postgresql+psycopg://u@h/db"):
+        assert check_spec({**GOOD, "storage": good}).storage == good
+    monkeypatch.setenv(STORAGE_ENV, "sweeps.journal")
+    with pytest.raises(ValueError, match=f"{STORAGE_ENV}='sweeps.journal' is neither journal:PATH"):
+        storage_url(check_spec(GOOD))
 
 
 def test_the_paired_test_of_the_confirmation() -> None:
@@ -138,10 +189,54 @@ def test_the_paired_test_of_the_confirmation() -> None:
     assert verdict.real and verdict.p_value < 1e-4
     noisy = {1: 1.19, 2: 1.22, 3: 1.18, 4: 1.21, 5: 1.22}  # lower on average, not on every seed
     assert not compare("trial-4", {}, noisy, base, [1, 2, 3, 4, 5]).real
-    worse = {s: v + 0.01 for s, v in base.items()}
-    assert paired_p_value(list(worse.values()), list(base.values())) == 1.0
+    worse = {1: 1.3, 2: 1.25, 3: 1.27, 4: 1.24, 5: 1.26}
+    assert paired_p_value(list(worse.values()), list(base.values())) > 0.99
     # Only the seeds both completed pair up.
     assert compare("trial-5", {}, {1: 1.0, 3: 1.1}, base, [1, 2, 3]).candidate.values == [1.0, 1.1]
+
+
+def test_degenerate_confirmations_are_reported_untested_never_real() -> None:
+    base = {1: 1.25, 2: 1.5, 3: 1.75}
+    # The same difference on every seed: no spread, so no t statistic (not p = 0, "real").
+    same = {s: v - 0.25 for s, v in base.items()}  # exact in binary: every difference is -0.25
+    verdict = compare("trial-1", {"lr": 0.1}, same, base, [1, 2, 3])
+    assert math.isnan(verdict.p_value) and not verdict.real
+    assert verdict.why_untested == "the same difference on every seed: no spread to test"
+    # No seed completed for the candidate (or for the base): no crash, no verdict.
+    empty = compare("trial-2", {"lr": 0.2}, {}, base, [1, 2, 3])
+    assert math.isnan(empty.candidate.mean) and not empty.real
+    assert empty.why_untested == "0 seed(s) completed for both: no test"
+    nothing = compare("trial-3", {"lr": 0.3}, {1: 1.0}, {}, [1, 2, 3])
+    lines = confirmation_lines(corrected([verdict, empty, nothing]), [1, 2, 3], "bits_per_byte")
+    assert "no spread to test" in lines[2] and "0 seed(s) completed" in lines[3] and len(lines) == 5
+    found = corrected([verdict, empty, nothing])
+    assert recommend(check_spec(GOOD), _best(), found).params == {}  # keep the base
+
+
+def _best() -> optuna.trial.FrozenTrial:
+    return optuna.trial.create_trial(
+        params={"muon_weight_decay": 0.05},
+        distributions={"muon_weight_decay": optuna.distributions.CategoricalDistribution([0.02, 0.05, 0.1])},
+        value=1.0,
+    )
+
+
+def test_holm_corrects_the_p_values_across_the_candidates() -> None:
+    # Holm's step-down: sorted p times (K - rank), kept non-decreasing; nan (untested) stays nan, counts in K.
+    assert holm([0.004, 0.03, 0.006]) == pytest.approx([0.012, 0.03, 0.012])
+    assert holm([0.001, float("nan")])[0] == pytest.approx(0.002) and math.isnan(
+        holm([0.001, float("nan")])[1]
+    )
+    base = {s: 1.2 + 0.01 * (s % 3) for s in range(1, 7)}
+    # Lower on every seed, by an amount that varies: p ≈ 0.007 alone, not below 0.01 among three candidates.
+    shifts = {1: 0.004, 2: 0.001, 3: 0.006, 4: 0.0045, 5: 0.0005, 6: 0.003}
+    close = {s: v - shifts[s] for s, v in base.items()}
+    alone = compare("trial-1", {"lr": 1}, close, base, list(base))
+    assert SIGNIFICANCE / 3 < alone.p_value < SIGNIFICANCE and alone.real
+    family = corrected([alone, compare("trial-2", {"lr": 2}, base, base, list(base)), alone])
+    assert family[0].p_holm == family[2].p_holm == pytest.approx(3 * alone.p_value)
+    assert 3 * alone.p_value > SIGNIFICANCE
+    assert not family[0].real and family[0].p_value == alone.p_value
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks" / "sweeps").glob("*.yaml")))

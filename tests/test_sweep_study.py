@@ -10,8 +10,22 @@ from pathlib import Path
 
 import optuna
 import pytest
+from optuna.trial import TrialState
 
-from flows.sweep.study import HEARTBEAT, OWNER, STALE_AFTER_S, claim_next, owner_gone, release
+from flows.sweep import confirm
+from flows.sweep.report import params_key
+from flows.sweep.spec import SweepSpec, check_spec
+from flows.sweep.study import (
+    HEARTBEAT,
+    OWNER,
+    STALE_AFTER_S,
+    SpecChangedError,
+    claim_next,
+    open_study,
+    owner_gone,
+    release,
+    suggest,
+)
 
 
 @pytest.fixture()
@@ -71,3 +85,70 @@ def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) 
     study.tell(second.trial, state=optuna.trial.TrialState.PRUNED)
     assert claim_next(study, 2, {0, 1}, draw, recall) is None
     assert len(study.trials) == 2
+
+
+SPEC = {
+    "name": "s",
+    "base": {"preset": "tiny", "eval_every": 10},
+    "space": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}},
+    "sampler": "random",
+    "trials": 4,
+    "seeds": [1, 2, 3],
+}
+
+
+def _spec(tmp_path: Path, **changes: object) -> SweepSpec:
+    return check_spec({**SPEC, "storage": f"journal:{tmp_path / 'study.journal'}", **changes})
+
+
+def test_a_rerun_that_changes_what_the_results_depend_on_is_refused_naming_the_field(tmp_path: Path) -> None:
+    open_study(_spec(tmp_path))
+    open_study(_spec(tmp_path, parallel=2))  # how many at a time: not part of the results
+    for field, value, was in (("trials", 6, "4"), ("seeds", [1, 2], "[1, 2, 3]"), ("confirm_top", 2, "1")):
+        with pytest.raises(SpecChangedError) as err:
+            open_study(_spec(tmp_path, **{field: value}))
+        assert (
+            f"was made with another {field}, which its results depend on (it was made with {field}: {was})"
+            in str(err.value)
+        )
+        assert "rerun it with those values, or give the new search another name" in str(err.value)
+
+
+def test_a_resumed_study_draws_on_instead_of_repeating_its_first_draws(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    first = open_study(spec)
+    for _ in range(2):
+        claimed = claim_next(first, 4, set(), lambda t: suggest(t, spec), recall)
+        assert claimed is not None
+        first.tell(claimed.trial, 1.0)
+    again = open_study(spec)  # a new process: the sampler starts over from the spec's seed...
+    claimed = claim_next(again, 4, set(), lambda t: suggest(t, spec), recall)
+    assert claimed is not None
+    drawn = [t.params["lr"] for t in again.trials[:2]]
+    assert claimed.params["lr"] not in drawn  # ...plus the trials already asked, so not the first draw again
+
+
+def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -> None:
+    spec = check_spec(SPEC)
+    study = optuna.create_study()
+    a, b, c = {"lr": 0.001}, {"lr": 0.002}, {"lr": 0.003}
+    first = [("base", {}), ("trial-0", a), ("trial-1", b)]
+    assert confirm.enqueue(study, first, spec.seeds) == 9
+    values = {params_key(p): v for p, v in (({}, 1.0), (a, 0.5), (b, 0.9))}
+    while waiting := study.get_trials(states=(TrialState.WAITING,)):
+        trial = study.ask()
+        study.tell(trial, values[trial.user_attrs["key"]] + 0.001 * trial.user_attrs["seed"] ** 2)
+        assert len(study.get_trials(states=(TrialState.WAITING,))) == len(waiting) - 1
+    # Later the ranks changed: b is best, then a new c. b's runs are found again, c gets runs of its own.
+    later = [("base", {}), ("trial-1", b), ("trial-5", c)]
+    assert confirm.enqueue(study, later, spec.seeds) == 12
+    new = study.get_trials(states=(TrialState.WAITING,))
+    assert {t.system_attrs["fixed_params"]["candidate"] for t in new} == {params_key(c)}
+    for _ in new:
+        trial = study.ask()
+        study.tell(trial, 0.2 + 0.01 * trial.user_attrs["seed"])
+    b_verdict, c_verdict = confirm.verdicts(study, later, spec.seeds)
+    assert b_verdict.candidate.params == b and b_verdict.candidate.values == pytest.approx(
+        [0.901, 0.904, 0.909]
+    )
+    assert c_verdict.candidate.values == pytest.approx([0.21, 0.22, 0.23])

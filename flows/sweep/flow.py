@@ -20,7 +20,6 @@ import argparse
 import socket
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,9 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ValidationError
 
 from flows.cli import describe_validation_error, end_quietly
+from flows.sweep import confirm
 from flows.sweep.report import (
     Recommendation,
-    compare,
     confirmation_lines,
     log_confirmation,
     log_results,
@@ -61,6 +60,7 @@ from tasks.home import apply_embedded_defaults
 from tasks.tracking import store
 
 trial_task = task(run_trial, name="trial", cache_policy=NO_CACHE, persist_result=False)
+WAIT_S = 30.0  # how often a sweep looks at other processes' trials before its confirmation
 STOP_WAIT_S = 300.0  # how long a stopping sweep waits for its trials' last checkpoints
 
 
@@ -94,20 +94,32 @@ def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
         )
     )
     print(f"MLflow: {store.run_link(ctx.parent_run_id, uri)}")
-    started = time.monotonic()
     try:
-        _run_trials(
-            study,
-            ctx,
-            spec.n_trials,
-            _search_plan(ctx, study),
-            draw=lambda t: suggest(t, spec),
-            recall=_params,
-        )
+        result = _search_and_confirm(spec, ctx, study, register_winner)
+    except BaseException as err:  # the sweep's run says how it ended; a rerun sets it RUNNING again
+        store.end_run(ctx.parent_run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", uri)
+        raise
+    store.end_run(ctx.parent_run_id, "FINISHED", uri)
+    return result
+
+
+def _search_and_confirm(
+    spec: SweepSpec, ctx: SweepContext, study: optuna.Study, register_winner: bool | None
+) -> SweepResult:
+    started = time.monotonic()
+
+    def search() -> None:
+        plan_for = _search_plan(ctx, study)
+        _run_trials(study, ctx, spec.n_trials, plan_for, draw=lambda t: suggest(t, spec), recall=_params)
+
+    try:
+        search()
+        if spec.seeds:
+            _wait_for_other_sweeps(study, search)  # the candidates come from the whole study
     finally:
-        log_results(spec, study, ctx.parent_run_id, uri)
+        log_results(spec, study, ctx.parent_run_id, ctx.uri)
     print(markdown_table(trial_rows(study)))
-    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     best = min(complete, key=lambda t: t.value) if complete else None
     found = _confirm(spec, ctx, study) if spec.seeds and best is not None else None
     advice = recommend(spec, best, found)
@@ -115,7 +127,6 @@ def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
     lines = [*confirmation, *advice.lines]
     if register_winner if register_winner is not None else spec.register_winner:
         lines += _register_winner(spec, ctx, advice)
-    store.end_run(ctx.parent_run_id, "FINISHED", uri)
     elapsed = f"this process: {time.monotonic() - started:,.0f} s"
     print("\n".join(["", "=" * 72, *lines, elapsed, "=" * 72]))
     return SweepResult(
@@ -259,6 +270,14 @@ def _run_trials(
         raise
 
 
+def _wait_for_other_sweeps(study: optuna.Study, search: Callable[[], None]) -> None:
+    """Wait while other sweep processes still run trials of this study, taking over any whose process dies."""
+    while running := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        print(f"waiting for {len(running)} trial(s) other sweep processes run before the confirmation")
+        time.sleep(WAIT_S)
+        search()
+
+
 def _tell(study: optuna.Study, trial: optuna.trial.Trial, outcome: TrialOutcome) -> None:
     trial.set_user_attr("seconds", round(outcome.seconds, 1))
     trial.set_user_attr("steps", outcome.steps)
@@ -281,45 +300,23 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, outcome: TrialOutcome)
 
 
 def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
-    """Rerun the best `confirm_top` configurations and the base once per seed (a study of its own, so a
-    killed confirmation resumes too); the verdicts compare each with the base seed by seed."""
-    complete = sorted(
-        (t for t in study.get_trials() if t.state == TrialState.COMPLETE), key=lambda t: t.value
-    )
-    base_values = trial_values(spec, {})
-    candidates = [("base", {})] + [
-        (f"trial-{t.number}", t.params)
-        for t in complete[: spec.confirm_top]
-        if trial_values(spec, t.params) != base_values  # the base itself, sampled: its runs are the base's
-    ]
-    confirm = open_study(
+    """Rerun the best `confirm_top` configurations and the base once per seed (flows/sweep/confirm.py);
+    the verdicts compare each with the base seed by seed."""
+    chosen = confirm.candidates(spec, study)
+    study_of_seeds = open_study(
         spec, suffix=".confirm", pruned=False, sampler=optuna.samplers.RandomSampler(seed=spec.seed)
     )
-    for index, (name, params) in enumerate(candidates):
-        for seed in spec.seeds:
-            attrs = {"candidate": name, "params": params, "seed": seed}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # enqueue_trial's user_attrs are marked experimental
-                confirm.enqueue_trial(
-                    {"candidate": index, "seed": seed}, user_attrs=attrs, skip_if_exists=True
-                )
-    print(f"confirmation: {len(candidates)} configurations x {len(spec.seeds)} seeds")
-    total = len(candidates) * len(spec.seeds)
+    total = confirm.enqueue(study_of_seeds, chosen, spec.seeds)
+    print(f"confirmation: {len(chosen)} configurations x {len(spec.seeds)} seeds")
 
     def plan_for(claimed: Claimed) -> TrialPlan:
-        a, key = claimed.params, trial_key(confirm, claimed.trial)
-        label = f"confirm-{a['candidate']}-seed{a['seed']}"
+        a, key = claimed.params, trial_key(study_of_seeds, claimed.trial)
+        label = f"confirm-{a['key']}-seed{a['seed']}"
         extra = {"seed": a["seed"]}
         return _plan(ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key)
 
-    _run_trials(confirm, ctx, total, plan_for, draw=_attrs, recall=_attrs)
-    values: dict[str, dict[int, float]] = {}
-    for t in confirm.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        values.setdefault(t.user_attrs["candidate"], {})[t.user_attrs["seed"]] = t.value
-    result = [
-        compare(name, params, values.get(name, {}), values.get("base", {}), spec.seeds)
-        for name, params in candidates[1:]
-    ]
+    _run_trials(study_of_seeds, ctx, total, plan_for, draw=_attrs, recall=_attrs)
+    result = confirm.verdicts(study_of_seeds, chosen, spec.seeds)
     if not result:
         print("confirmation: the best configurations are the base itself; nothing to compare")
     log_confirmation(ctx.parent_run_id, result, ctx.uri)

@@ -3,7 +3,10 @@ the results table and Optuna's plots; the seed-confirmation statistics; the prin
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import math
 import statistics
 import warnings
 from dataclasses import dataclass
@@ -160,34 +163,63 @@ class Candidate:
 
     @property
     def mean(self) -> float:
-        return statistics.fmean(self.values)
+        return statistics.fmean(self.values) if self.values else float("nan")
 
     @property
     def sd(self) -> float:
         return statistics.stdev(self.values) if len(self.values) > 1 else float("nan")
 
 
+def params_key(params: dict[str, Any]) -> str:
+    """A configuration's name in the confirmation study: the same values, the same key, whatever their rank."""
+    text = json.dumps(params, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
 @dataclass(frozen=True)
 class Verdict:
     candidate: Candidate
     base: Candidate
-    p_value: float  # one-sided paired t-test: candidate < base
+    p_value: float  # one-sided paired t-test: candidate < base (nan: no test possible)
+    p_holm: float = float("nan")  # p_value after Holm's correction across the candidates compared
 
     @property
     def real(self) -> bool:
-        return self.p_value < SIGNIFICANCE and self.candidate.mean < self.base.mean
+        return self.p_holm < SIGNIFICANCE and self.candidate.mean < self.base.mean
+
+    @property
+    def why_untested(self) -> str:
+        pairs = len(self.candidate.values)
+        if pairs < 2:
+            return f"{pairs} seed(s) completed for both: no test"
+        if math.isnan(self.p_value):
+            return "the same difference on every seed: no spread to test"
+        return ""
 
 
 def paired_p_value(candidate: list[float], base: list[float]) -> float:
-    """One-sided paired t-test that the candidate's values are below the base's (same seeds)."""
+    """One-sided paired t-test that the candidate's values are below the base's (same seeds); nan when it
+    cannot be tested (fewer than 2 pairs, or the same difference on every seed: no spread, no t statistic)."""
     from scipy import stats
 
     differences = [c - b for c, b in zip(candidate, base, strict=True)]
-    if len(differences) < 2:
+    if len(differences) < 2 or all(d == differences[0] for d in differences):
         return float("nan")
-    if all(d == differences[0] for d in differences):  # no spread: the t statistic is undefined
-        return 0.0 if differences[0] < 0 else 1.0
     return float(stats.ttest_rel(candidate, base, alternative="less").pvalue)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment (family-wise error across the candidates); an untested (nan) p stays nan
+    and counts in the family."""
+    order = sorted(range(len(p_values)), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
+    adjusted = [float("nan")] * len(p_values)
+    running = 0.0
+    for rank, i in enumerate(order):
+        if math.isnan(p_values[i]):
+            continue
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def compare(
@@ -198,22 +230,30 @@ def compare(
     paired = [s for s in seeds if s in values and s in base]
     candidate = Candidate(name, params, [values[s] for s in paired])
     reference = Candidate("base", {}, [base[s] for s in paired])
-    return Verdict(candidate, reference, paired_p_value(candidate.values, reference.values))
+    p_value = paired_p_value(candidate.values, reference.values)
+    return Verdict(candidate, reference, p_value, p_value)
+
+
+def corrected(verdicts: list[Verdict]) -> list[Verdict]:
+    """The verdicts with Holm's correction across all of them (K candidates tested at once)."""
+    adjusted = holm([v.p_value for v in verdicts])
+    return [Verdict(v.candidate, v.base, v.p_value, p) for v, p in zip(verdicts, adjusted, strict=True)]
 
 
 def confirmation_lines(found: list[Verdict], seeds: list[int], metric: str) -> list[str]:
     lines = [
-        f"confirmation over seeds {seeds} ({metric}, mean ± sd; paired t-test against the base, one-sided):"
+        f"confirmation over seeds {seeds} ({metric}, mean ± sd; paired t-test against the base, one-sided, "
+        f"Holm-corrected across {len(found)} candidate(s)):"
     ]
     base = found[0].base if found else None
     if base is not None:
         lines.append(f"  base        {base.mean:.5f} ± {base.sd:.5f}")
     for v in found:
         difference = v.candidate.mean - v.base.mean
-        verdict = "real at p < 0.01" if v.real else "not shown at p < 0.01"
+        verdict = "real at p < 0.01" if v.real else (v.why_untested or "not shown at p < 0.01")
         lines.append(
-            f"  {v.candidate.name:<11} {v.candidate.mean:.5f} ± {v.candidate.sd:.5f}  "
-            f"({difference:+.5f}, p = {v.p_value:.2g}: {verdict})  {_params(v.candidate.params)}"
+            f"  {v.candidate.name:<11} {v.candidate.mean:.5f} ± {v.candidate.sd:.5f}  ({difference:+.5f}, "
+            f"p = {v.p_value:.2g}, Holm {v.p_holm:.2g}: {verdict})  {_params(v.candidate.params)}"
         )
     return lines
 
@@ -227,7 +267,10 @@ def log_confirmation(parent: str, found: list[Verdict], uri: str) -> None:
                 {"candidate": c.name, **c.params, "mean": c.mean, "sd": c.sd, "values": str(c.values)}
             )
         rows[-1]["p_value"] = v.p_value
-        client.log_metric(parent, f"confirm/{v.candidate.name}/p_value", v.p_value)
+        rows[-1]["p_holm"] = v.p_holm
+        if not math.isnan(v.p_value):
+            client.log_metric(parent, f"confirm/{v.candidate.name}/p_value", v.p_value)
+            client.log_metric(parent, f"confirm/{v.candidate.name}/p_holm", v.p_holm)
     client.log_text(parent, markdown_table(rows), "confirmation.md")
 
 
@@ -260,6 +303,9 @@ def recommend(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | 
             return Recommendation({}, lines)
         top = min(real, key=lambda v: v.candidate.mean)
         params = top.candidate.params
-        lines.append(f"{top.candidate.name} is better than the base at p < 0.01 (p = {top.p_value:.2g})")
+        lines.append(
+            f"{top.candidate.name} is better than the base at p < 0.01 (p = {top.p_value:.2g}, "
+            f"Holm {top.p_holm:.2g})"
+        )
     lines.append(f"run it: {pretrain_command(trial_values(spec, params))}")
     return Recommendation(params, lines)

@@ -10,6 +10,8 @@
     pruner: asha                     # none | asha | {name: asha, min_resource: 150, reduction_factor: 3}
     metric: bits_per_byte            # bits_per_byte | val_loss, both minimised
     budget: {steps: 1200}            # or {tokens: N}; default: the base's run length
+                                     # (the rungs count the same unit for every trial: with tokens, each
+                                     # trial's eval_every is set so that it scores at the same token counts)
     parallel: 1
     seeds: [1, 2, 3]                 # confirmation: the best `confirm_top` and the base, once per seed
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +40,8 @@ OVERRIDES = "model_overrides."
 # the registered-model name (the sweep's own, made from the base's) and the experiment its runs nest in.
 SWEEP_SET = ("run_name", "checkpoint_dir")
 SHARED = ("model_name", "alias", "experiment")
+# Optuna's storages: a journal file or an SQLAlchemy database URL (DIALECT[+DRIVER]://...).
+DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9]*(\+[A-Za-z0-9_]+)?://")
 METRICS = {  # metric -> (the final evaluation's MLflow key, the periodic score's key)
     "bits_per_byte": ("val/bits_per_byte", "val_subset/bits_per_byte"),
     "val_loss": ("val/loss", "val_subset/loss"),
@@ -135,6 +141,11 @@ class SweepSpec(_Strict):
     def _pruner(cls, value: Pruner | str) -> Pruner:
         return Pruner(name=value) if isinstance(value, str) else value
 
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value: str | None) -> str | None:
+        return None if value is None else check_storage(value, "storage")
+
     @field_validator("seeds")
     @classmethod
     def _unique(cls, seeds: list[int]) -> list[int]:
@@ -170,8 +181,22 @@ class SweepSpec(_Strict):
         return f"{self.base_config().model_name}-sweep-{self.name}"
 
 
+def check_storage(url: str, where: str) -> str:
+    """`url` as Optuna's storage, or a ValueError naming the forms it takes (before SQLAlchemy's own)."""
+    if url.startswith("journal:") and url.removeprefix("journal:").strip():
+        return url
+    if DATABASE_URL.match(url):
+        return url
+    raise ValueError(
+        f"{where}={url!r} is neither journal:PATH (an Optuna journal file, e.g. journal:{url}) nor a database "
+        "URL (postgresql+psycopg://USER@HOST/DB, sqlite:///PATH)"
+    )
+
+
 def tokens_per_step(config: PretrainConfig) -> int:
-    return config.micro_batch_size * config.accumulate_steps * config.nproc_per_node * config.seq_len
+    """Tokens one optimizer step trains on: the global batch, over every node."""
+    per_rank = config.micro_batch_size * config.accumulate_steps * config.seq_len
+    return per_rank * config.nproc_per_node * config.nnodes
 
 
 def trial_values(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +216,17 @@ def trial_values(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
             steps = max(1, spec.budget.tokens // tokens_per_step(PretrainConfig(**values)))
         values["max_steps"] = steps
         values.pop("epochs", None)
+    if spec.budget_unit == "tokens" and spec.pruner.name == "asha" and _has_rungs(spec):
+        # The rungs are token counts: every trial scores every `first_rung` tokens, whatever its batch.
+        per_step = tokens_per_step(PretrainConfig(**values))
+        values["eval_every"] = max(1, round(spec.first_rung() / per_step))
     return values
+
+
+def _has_rungs(spec: SweepSpec) -> bool:
+    return spec.pruner.min_resource is not None or bool(
+        spec.base.get("eval_every") or spec.base_config().eval_every
+    )
 
 
 def pretrain_command(values: dict[str, Any]) -> str:
@@ -230,6 +265,9 @@ def load_spec(path: str | Path) -> SweepSpec:
     return check_spec(data)
 
 
+Problem = Callable[[tuple[str | int, ...], str], None]
+
+
 def check_spec(data: dict[str, Any] | SweepSpec) -> SweepSpec:
     """The spec, after the checks that need PretrainConfig: every problem in one ValidationError."""
     spec = data if isinstance(data, SweepSpec) else SweepSpec.model_validate(data)
@@ -249,46 +287,52 @@ def check_spec(data: dict[str, Any] | SweepSpec) -> SweepSpec:
     for name in SWEEP_SET:
         if name in spec.base:
             problem(("base", name), f"a sweep sets {name} for each trial: leave it out of base")
-
-    model_fields = {f for f in LlamaConfig.__dataclass_fields__ if f != "extra"}
     for name, dim in spec.space.items():
-        where: tuple[str | int, ...] = ("space", name)
-        field = name.removeprefix(OVERRIDES)
-        if name.startswith(OVERRIDES):
-            if field not in model_fields:
-                problem(
-                    where,
-                    f"{field!r} is not a model field (LlamaConfig): one of {', '.join(sorted(model_fields))}",
-                )
-                continue
-        elif name not in PretrainConfig.model_fields or name in ("preset", "model_overrides"):
-            problem(
-                where,
-                f"{name!r} is not a PretrainConfig field a trial can vary (see python -m flows.pretrain --help)",
-            )
-            continue
-        if name in SWEEP_SET + SHARED or (name == "seed" and spec.seeds):
-            problem(
-                where, f"every trial of a sweep has the same {name} (or one the sweep sets): it cannot vary"
-            )
-            continue
-        if name in ("max_steps", "epochs") and spec.budget is not None:
-            problem(
-                where, "the budget sets the run length: vary it without a budget, or drop it from the space"
-            )
-        if dim.choices is None and _integer_field(name) and not _integral_bounds(dim):
-            problem(where, f"{name} is an integer: give integer low, high and step")
-            continue
-        samples = dim.values() if dim.choices is not None or dim.step is not None else [dim.low, dim.high]
-        for i, value in enumerate(samples):
-            try:
-                PretrainConfig(**trial_values(spec, {name: value}))
-            except ValidationError as err:
-                label = ("choices", i) if dim.choices is not None else (("low",) if i == 0 else ("high",))
-                for e in err.errors(include_url=False):
-                    problem((*where, *label), f"{value!r}: " + e["msg"].removeprefix("Value error, "))
-                break
+        _check_dimension(spec, name, dim, problem)
+    _check_search(spec, base, problem)
+    if problems:
+        raise ValidationError.from_exception_data("SweepSpec", problems)
+    return spec
 
+
+def _check_dimension(spec: SweepSpec, name: str, dim: Dimension, problem: Problem) -> None:
+    """One dimension of the space: a field a trial may vary, and every value of it a valid configuration."""
+    where: tuple[str | int, ...] = ("space", name)
+    field = name.removeprefix(OVERRIDES)
+    model_fields = {f for f in LlamaConfig.__dataclass_fields__ if f != "extra"}
+    if name.startswith(OVERRIDES):
+        if field not in model_fields:
+            fields = ", ".join(sorted(model_fields))
+            return problem(where, f"{field!r} is not a model field (LlamaConfig): one of {fields}")
+    elif name not in PretrainConfig.model_fields or name in ("preset", "model_overrides"):
+        return problem(
+            where,
+            f"{name!r} is not a PretrainConfig field a trial can vary (see python -m flows.pretrain --help)",
+        )
+    if name in SWEEP_SET + SHARED or (name == "seed" and spec.seeds):
+        return problem(
+            where, f"every trial of a sweep has the same {name} (or one the sweep sets): it cannot vary"
+        )
+    if name in ("max_steps", "epochs") and spec.budget is not None:
+        problem(where, "the budget sets the run length: vary it without a budget, or drop it from the space")
+    if name == "eval_every" and spec.budget_unit == "tokens" and spec.pruner.name == "asha":
+        problem(where, "with a token budget and asha the sweep sets eval_every (the rungs' token counts)")
+    if dim.choices is None and _integer_field(name) and not _integral_bounds(dim):
+        return problem(where, f"{name} is an integer: give integer low, high and step")
+    samples = dim.values() if dim.choices is not None or dim.step is not None else [dim.low, dim.high]
+    for i, value in enumerate(samples):
+        try:
+            PretrainConfig(**trial_values(spec, {name: value}))
+        except ValidationError as err:
+            label = ("choices", i) if dim.choices is not None else (("low",) if i == 0 else ("high",))
+            for e in err.errors(include_url=False):
+                problem((*where, *label), f"{value!r}: " + e["msg"].removeprefix("Value error, "))
+            return None
+    return None
+
+
+def _check_search(spec: SweepSpec, base: PretrainConfig, problem: Problem) -> None:
+    """The sampler, pruner, budget and confirmation against each other and the base."""
     if spec.sampler == "grid":
         ranges = [n for n, d in spec.space.items() if d.choices is None and d.step is None]
         for name in ranges:
@@ -303,20 +347,11 @@ def check_spec(data: dict[str, Any] | SweepSpec) -> SweepSpec:
             "asha prunes on the validation score taken during training: set base.eval_every (e.g. 100), "
             "or pruner: none",
         )
-    if (
-        spec.budget is not None
-        and spec.budget.tokens is not None
-        and spec.budget.tokens < tokens_per_step(base)
-    ):
-        problem(
-            ("budget", "tokens"),
-            f"{spec.budget.tokens} tokens is less than one step ({tokens_per_step(base)})",
-        )
+    tokens = spec.budget.tokens if spec.budget is not None else None
+    if tokens is not None and tokens < tokens_per_step(base):
+        problem(("budget", "tokens"), f"{tokens} tokens is less than one step ({tokens_per_step(base)})")
     if spec.seeds and spec.confirm_top > spec.n_trials:
         problem(("confirm_top",), f"{spec.confirm_top} is more than the {spec.n_trials} trials")
-    if problems:
-        raise ValidationError.from_exception_data("SweepSpec", problems)
-    return spec
 
 
 def _integer_field(name: str) -> bool:

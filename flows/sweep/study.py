@@ -30,7 +30,7 @@ import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 from flows.services.processes import start_mark
-from flows.sweep.spec import SweepSpec, is_integer
+from flows.sweep.spec import SweepSpec, check_storage, is_integer
 from tasks import home
 
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
@@ -42,6 +42,19 @@ OWNER, HEARTBEAT = "owner", "heartbeat"
 # The study's own id, made when it is created: Optuna's study and trial ids start again at 0 in a new
 # storage, so a sweep started over under the same name would reuse them.
 STUDY_UID = "uid"
+# What a study's results depend on: a rerun must give the same (`parallel`, `launch`, `storage`, ... may change).
+RESULT_FIELDS = (
+    "base",
+    "space",
+    "trials",
+    "sampler",
+    "pruner",
+    "metric",
+    "budget",
+    "seed",
+    "seeds",
+    "confirm_top",
+)
 
 
 class SpecChangedError(ValueError):
@@ -49,7 +62,11 @@ class SpecChangedError(ValueError):
 
 
 def storage_url(spec: SweepSpec) -> str:
-    return spec.storage or os.environ.get(STORAGE_ENV) or f"journal:{sweep_dir(spec.name) / 'optuna.journal'}"
+    if spec.storage:
+        return spec.storage
+    if os.environ.get(STORAGE_ENV):
+        return check_storage(os.environ[STORAGE_ENV], STORAGE_ENV)
+    return f"journal:{sweep_dir(spec.name) / 'optuna.journal'}"
 
 
 def sweep_dir(name: str) -> Path:
@@ -68,9 +85,15 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
 
 def search_fingerprint(spec: SweepSpec) -> str:
-    """What the trials are drawn from and scored by: a rerun of the study must have the same."""
-    kept = spec.model_dump(mode="json", include={"base", "space", "sampler", "metric", "budget", "seed"})
+    """What the trials are drawn from and scored by, and what is confirmed: a rerun must have the same."""
+    kept = spec.model_dump(mode="json", include=set(RESULT_FIELDS))
     return hashlib.blake2b(json.dumps(kept, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def changed_fields(spec: SweepSpec, recorded: dict[str, Any]) -> dict[str, Any]:
+    """The result fields whose value in `spec` differs from the study's recorded spec: {field: recorded}."""
+    now = spec.model_dump(mode="json", include=set(RESULT_FIELDS))
+    return {k: recorded.get(k) for k in RESULT_FIELDS if now.get(k) != recorded.get(k)}
 
 
 class _Grid(optuna.samplers.GridSampler):
@@ -81,14 +104,18 @@ class _Grid(optuna.samplers.GridSampler):
         return None
 
 
-def sampler_of(spec: SweepSpec) -> optuna.samplers.BaseSampler:
+def sampler_of(spec: SweepSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded with `spec.seed` plus the trials the study already asked: a resumed sweep
+    draws on from there instead of repeating its first draws."""
+    seed = spec.seed + asked
     if spec.sampler == "grid":
-        return _Grid({k: d.values() for k, d in spec.space.items()}, seed=spec.seed)
+        return _Grid({k: d.values() for k, d in spec.space.items()}, seed=seed)
     if spec.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=spec.seed)
-    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough.
+        return optuna.samplers.RandomSampler(seed=seed)
+    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. Trials
+    # side by side: the running ones count as their worst (constant liar), so they are not drawn twice.
     startup = max(2, min(10, spec.n_trials // 3))
-    return optuna.samplers.TPESampler(seed=spec.seed, n_startup_trials=startup)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=spec.parallel > 1)
 
 
 def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:
@@ -116,20 +143,30 @@ def open_study(
         direction="minimize",
         load_if_exists=True,
     )
+    if sampler is None and study.trials:
+        study.sampler = sampler_of(spec, asked=len(study.trials))
     fingerprint = search_fingerprint(spec)
     recorded = study.user_attrs.get("search")
     if recorded is None:
         study.set_user_attr("search", fingerprint)
         study.set_user_attr("spec", spec.model_dump(mode="json"))
+    elif recorded != fingerprint:
+        changed = changed_fields(spec, study.user_attrs.get("spec", {}))
+        if changed or "spec" not in study.user_attrs:
+            raise SpecChangedError(_changed_message(study, spec, changed))
+        study.set_user_attr("search", fingerprint)  # the same spec, fingerprinted by an older version
     if STUDY_UID not in study.user_attrs:  # a new study (or one made before the sweep gave studies ids)
         study.set_user_attr(STUDY_UID, uuid.uuid4().hex)
-    elif recorded != fingerprint:
-        raise SpecChangedError(
-            f"study {study.study_name!r} in {home_free(storage_url(spec))} was made from another base, space, "
-            "sampler, metric, budget or seed: rerun it with the spec it was made from, or give the new search "
-            "another name"
-        )
     return study
+
+
+def _changed_message(study: optuna.Study, spec: SweepSpec, changed: dict[str, Any]) -> str:
+    was = "; ".join(f"{k}: {json.dumps(v)}" for k, v in changed.items()) or "(not recorded)"
+    return (
+        f"study {study.study_name!r} in {home_free(storage_url(spec))} was made with another "
+        f"{', '.join(changed) or 'search'}, which its results depend on (it was made with {was}): "
+        "rerun it with those values, or give the new search another name"
+    )
 
 
 def study_uid(study: optuna.Study) -> str:
