@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from flows.cli import describe_validation_error, end_quietly
 from flows.sweep import confirm
+from flows.sweep.parents import pin_parents
 from flows.sweep.report import (
     Recommendation,
     confirmation_lines,
@@ -42,7 +43,7 @@ from flows.sweep.report import (
     recommend,
     trial_rows,
 )
-from flows.sweep.spec import SweepSpec, check_spec, load_spec, pretrain_command, trial_values
+from flows.sweep.spec import SweepSpec, check_spec, load_spec, pretrain_command
 from flows.sweep.study import (
     Claimed,
     claim_next,
@@ -122,7 +123,7 @@ def _search_and_confirm(
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     best = min(complete, key=lambda t: t.value) if complete else None
     found = _confirm(spec, ctx, study) if spec.seeds and best is not None else None
-    advice = recommend(spec, best, found)
+    advice = recommend(spec, best, found, ctx.values)
     confirmation = confirmation_lines(found, spec.seeds, spec.metric) if found else []
     lines = [*confirmation, *advice.lines]
     if register_winner if register_winner is not None else spec.register_winner:
@@ -134,7 +135,7 @@ def _search_and_confirm(
         trials=counts(study),
         best_params=best.params if best else None,
         best_value=best.value if best else None,
-        command=None if advice.params is None else pretrain_command(trial_values(spec, advice.params)),
+        command=None if advice.params is None else pretrain_command(ctx.values(advice.params)),
         confirmation=confirmation,
         parent_run_id=ctx.parent_run_id,
         storage=home_free(storage_url(spec)),
@@ -158,7 +159,8 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
     # deleted, another storage) must not resume the checkpoints, or continue the MLflow runs, of the old one.
     uid = study_uid(study)
     directory = sweep_dir(spec.name) / f"study-{uid[:8]}"
-    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit, uid, directory)
+    pins = pin_parents(spec, study, uri)
+    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit, uid, directory, pins)
 
 
 def _default_limit(spec: SweepSpec, client: Any) -> str:
@@ -217,7 +219,7 @@ def _plan(
 ) -> TrialPlan:
     spec = ctx.spec
     directory = ctx.directory / label
-    values = {**trial_values(spec, params), **extra, "run_name": f"{spec.name}-{label}"}
+    values = {**ctx.values(params), **extra, "run_name": f"{spec.name}-{label}"}
     if kind != "winner":
         values["model_name"] = spec.sweep_model_name()
     if spec.launch == "local":
@@ -247,7 +249,7 @@ def _run_trials(
                 plan = plan_for(claimed)
                 mine.add(plan.number)
                 resumed = " (resumed: its sweep was stopped)" if claimed.adopted else ""
-                command = pretrain_command(trial_values(spec, plan.params))
+                command = pretrain_command(ctx.values(plan.params))
                 print(f"{plan.kind} trial {plan.number}{resumed}: {command}")
                 future = trial_task.with_options(task_run_name=plan.run_name).submit(plan, claimed.trial, ctx)
                 in_flight[plan.number] = (claimed.trial, future)
@@ -330,7 +332,7 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
         return ["nothing registered: " + ("no trial completed" if advice.params is None else "keep the base")]
     key = f"{ctx.study_uid}.winner"
     plan = _plan(ctx, -1, "winner", advice.params, "winner", {}, adopted=False, key=key)
-    print(f"registering the winner: {pretrain_command(trial_values(spec, advice.params))}")
+    print(f"registering the winner: {pretrain_command(ctx.values(advice.params))}")
     outcome = run_trial(plan, None, ctx)
     if outcome.state != TrialState.COMPLETE or outcome.run_id is None:
         return [f"registering the winner failed: {outcome.message}"]

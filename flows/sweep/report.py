@@ -9,6 +9,7 @@ import json
 import math
 import statistics
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,9 +285,16 @@ class Recommendation:
     lines: list[str]
 
 
-def recommend(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | None) -> Recommendation:
+def recommend(
+    spec: SweepSpec,
+    best: FrozenTrial | None,
+    found: list[Verdict] | None,
+    values: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Recommendation:
     """What to adopt, and the closing lines that say it as `python -m flows.pretrain` flags. With a
-    confirmation, only a configuration better than the base at p < 0.01 (the best mean among those) is."""
+    confirmation, only a configuration better than the base at p < 0.01 (the best mean among those) is.
+    `values` gives a run's values for sampled ones (default: the spec's; a sweep's pins its parent)."""
+    values = values or (lambda params: trial_values(spec, params))
     if best is None:
         return Recommendation(
             None, ["no trial completed: nothing to recommend (see the failed trials' output)"]
@@ -299,7 +307,7 @@ def recommend(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | 
             lines.append(
                 "the confirmation shows no configuration better than the base at p < 0.01: keep the base"
             )
-            lines.append(f"base: {pretrain_command(trial_values(spec, {}))}")
+            lines.append(f"base: {pretrain_command(values({}))}")
             return Recommendation({}, lines)
         top = min(real, key=lambda v: v.candidate.mean)
         params = top.candidate.params
@@ -307,5 +315,5 @@ def recommend(spec: SweepSpec, best: FrozenTrial | None, found: list[Verdict] | 
             f"{top.candidate.name} is better than the base at p < 0.01 (p = {top.p_value:.2g}, "
             f"Holm {top.p_holm:.2g})"
         )
-    lines.append(f"run it: {pretrain_command(trial_values(spec, params))}")
+    lines.append(f"run it: {pretrain_command(values(params))}")
     return Recommendation(params, lines)

@@ -37,7 +37,8 @@ from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
-from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step
+from flows.sweep.parents import pinned
+from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step, trial_values
 from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking import store
@@ -99,7 +100,12 @@ class SweepContext:
     limit: str | None  # Prefect global concurrency limit; None on the embedded API (see flows.sweep)
     study_uid: str  # the search study's own id (flows.sweep.study.study_uid)
     directory: Path  # the study's trial directories
+    pins: dict[str, str] = field(default_factory=dict)  # init_from aliases pinned for the study (parents.py)
     stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
+
+    def values(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A run's PretrainConfig values for these sampled values, its parent the study's pinned version."""
+        return pinned(trial_values(self.spec, params), self.pins)
 
 
 def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepContext) -> TrialOutcome:
