@@ -245,3 +245,29 @@ def test_a_sweep_started_over_under_the_same_name_never_touches_the_old_ones_run
     assert run.data.metrics["val/bits_per_byte"] == pytest.approx(new.value)
     output = (_trials_dir(root, name) / "trial-000" / "output.log").read_text()
     assert "resuming from checkpoint" not in output
+
+
+def test_on_a_two_gpu_host_two_trials_run_at_once_one_gpu_each(world: tuple) -> None:
+    """gpus_per_trial: 1 on a host of 2 GPUs (LLAMAFLOW_SWEEP_GPUS stands in for them): both trials run side
+    by side, each seeing one GPU of its own in its environment (recorded on its MLflow run by the trial)."""
+    root, env, data = world
+    name = "gpus"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 4, "checkpoint_every": 4, "eval_max_blocks": 2},
+        "space": {"lr": {"choices": [0.003, 0.002]}},
+        "sampler": "grid",
+        "gpus_per_trial": 1,
+    }
+    log = root / f"{name}.log"
+    assert _sweep(root, {**env, "LLAMAFLOW_SWEEP_GPUS": "2"}, spec).wait(timeout=600) == 0, tail(log)
+    assert "2 at a time (local, 1 GPU(s) each)" in log.read_text()
+    trials = _study(root, name).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    client = store.get_client(env["MLFLOW_TRACKING_URI"])
+    first, second = (client.get_run(t.user_attrs["mlflow_run_id"]) for t in trials)
+    assert {
+        first.data.tags["llamaflow.sweep.cuda_visible_devices"],
+        second.data.tags["llamaflow.sweep.cuda_visible_devices"],
+    } == {"0", "1"}
+    assert first.info.start_time < second.info.end_time and second.info.start_time < first.info.end_time

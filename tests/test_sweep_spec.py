@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from flows.cli import config_from_args, describe_validation_error
 from flows.pretrain_config import PretrainConfig
 from flows.sweep import main
+from flows.sweep.gpus import GpuPool, trials_at_once
 from flows.sweep.report import (
     SIGNIFICANCE,
     compare,
@@ -244,3 +245,17 @@ def test_the_benchmark_specs_are_valid(path: Path) -> None:
     from flows.sweep.spec import load_spec
 
     assert load_spec(path).n_trials >= 2  # every value of every dimension checked against PretrainConfig
+
+
+def test_trials_at_once_are_as_many_as_the_gpus_hold() -> None:
+    spec = check_spec({**GOOD, "gpus_per_trial": 2})
+    assert trials_at_once(spec, ["0", "1", "2", "3", "4"]) == 2
+    assert trials_at_once(spec.model_copy(update={"parallel": 1}), ["0", "1", "2", "3"]) == 1
+    assert trials_at_once(check_spec(GOOD), ["0", "1"]) == 1  # without gpus_per_trial: parallel's default
+    with pytest.raises(ValueError, match="gpus_per_trial=2 but this host has 1 GPU"):
+        trials_at_once(spec, ["0"])
+    pool = GpuPool(["2", "3", "5", "7"], 2)
+    first, second = pool.take(), pool.take()
+    assert first == ["2", "3"] and second == ["5", "7"]
+    pool.give_back(first)
+    assert pool.take() == ["2", "3"]

@@ -7,15 +7,20 @@ kill -9 leaves no trial training on: each writes a checkpoint and ends, and the 
 The kernel sends that signal each time the child is handed to another dying thread of the parent (a
 multi-threaded sweep: once per thread), so it asks for SIGUSR1 and turns the first into one SIGTERM, the
 engine's stop request; a second SIGTERM would mean "stop without a checkpoint".
+
+The GPUs the trial sees (CUDA_VISIBLE_DEVICES, set by the sweep with gpus_per_trial) are recorded as a tag
+of the MLflow run it creates, read here from the trial's own environment.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+TAG_DEVICES = "llamaflow.sweep.cuda_visible_devices"
 
 
 def _parent_died(signum: int, frame: object) -> None:
@@ -32,6 +37,9 @@ def main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR1))
         if os.getppid() != parent:  # the sweep died before the request was in place
             return 130
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        context = json.loads(os.environ.get("MLFLOW_RUN_CONTEXT") or "{}")
+        os.environ["MLFLOW_RUN_CONTEXT"] = json.dumps({**context, TAG_DEVICES: visible})
     from flows.pretrain import main as pretrain_main
 
     return pretrain_main(args)

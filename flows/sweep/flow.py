@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from flows.cli import describe_validation_error, end_quietly
 from flows.sweep import confirm
+from flows.sweep.gpus import GpuPool, host_gpus, trials_at_once
 from flows.sweep.parents import pin_parents
 from flows.sweep.report import (
     Recommendation,
@@ -87,7 +88,9 @@ def sweep(spec: SweepSpec, register_winner: bool | None = None) -> SweepResult:
     done = counts(study)
     print(
         f"sweep {spec.name}: {spec.n_trials} trials, {spec.sampler} sampler, pruner {spec.pruner.name}, "
-        f"{spec.parallel} at a time ({spec.launch}); study in {home_free(storage_url(spec))}"
+        f"{ctx.at_once} at a time ({spec.launch}"
+        + (f", {spec.gpus_per_trial} GPU(s) each" if ctx.gpus else "")
+        + f"); study in {home_free(storage_url(spec))}"
         + (
             f"; continuing: {done['complete']} complete, {done['pruned']} pruned, {done['running']} to resume"
             if sum(done.values())
@@ -147,6 +150,7 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
+    at_once = trials_at_once(spec)  # before anything starts: too few GPUs is refused here
     with get_client(sync_client=True) as client:
         api_url = str(client.api_url).rstrip("/")
         limit = None
@@ -154,13 +158,17 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         # concurrency leases in memory, so a slot it counted would outlive a kill -9 of this process.
         if PREFECT_API_URL.value():
             limit = spec.concurrency_limit or _default_limit(spec, client)
-            _ensure_limit(client, limit, spec.parallel)
+            _ensure_limit(client, limit, at_once)
     # The trials' directories belong to this study: one started over under the same name (its journal
     # deleted, another storage) must not resume the checkpoints, or continue the MLflow runs, of the old one.
     uid = study_uid(study)
     directory = sweep_dir(spec.name) / f"study-{uid[:8]}"
     pins = pin_parents(spec, study, uri)
-    return SweepContext(spec, uri, open_parent(spec, study, uri), api_url, limit, uid, directory, pins)
+    gpus = (
+        GpuPool(host_gpus(), spec.gpus_per_trial) if spec.gpus_per_trial and spec.launch == "local" else None
+    )
+    parent = open_parent(spec, study, uri)
+    return SweepContext(spec, uri, parent, api_url, limit, uid, directory, pins, at_once, gpus)
 
 
 def _default_limit(spec: SweepSpec, client: Any) -> str:
@@ -242,7 +250,7 @@ def _run_trials(
     mine: set[int] = set()
     try:
         while True:
-            while len(in_flight) < spec.parallel:
+            while len(in_flight) < ctx.at_once:
                 claimed = claim_next(study, total, mine, draw, recall)
                 if claimed is None:
                     break

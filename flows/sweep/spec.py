@@ -12,7 +12,8 @@
     budget: {steps: 1200}            # or {tokens: N}; default: the base's run length
                                      # (the rungs count the same unit for every trial: with tokens, each
                                      # trial's eval_every is set so that it scores at the same token counts)
-    parallel: 1
+    parallel: 1                      # trials at once (default 1; with gpus_per_trial: as the GPUs allow)
+    gpus_per_trial: 1                # local trials: each its own CUDA_VISIBLE_DEVICES (default 0: not set)
     seeds: [1, 2, 3]                 # confirmation: the best `confirm_top` and the base, once per seed
 
 A trial's configuration is `base`, then its sampled values, then what the sweep sets itself (its run name,
@@ -120,7 +121,14 @@ class SweepSpec(_Strict):
     pruner: Pruner | Literal["none", "asha"] = Pruner()  # a name alone: that pruner's defaults
     metric: Literal["bits_per_byte", "val_loss"] = "bits_per_byte"
     budget: Budget | None = None
-    parallel: int = Field(1, ge=1)
+    parallel: int | None = Field(
+        None, ge=1, description="Trials at once (default 1; with gpus_per_trial, as many as the GPUs allow)"
+    )
+    gpus_per_trial: int = Field(
+        0,
+        ge=0,
+        description="GPUs a local trial gets as its own CUDA_VISIBLE_DEVICES (0: trials share the host)",
+    )
     seed: int = Field(0, description="Seeds the sampler")
     seeds: list[int] = Field(default_factory=list, description="Confirmation seeds (none: no confirmation)")
     confirm_top: int = Field(1, ge=1, description="How many of the best configurations are confirmed")

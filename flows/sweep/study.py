@@ -115,7 +115,8 @@ def sampler_of(spec: SweepSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
     # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. Trials
     # side by side: the running ones count as their worst (constant liar), so they are not drawn twice.
     startup = max(2, min(10, spec.n_trials // 3))
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=spec.parallel > 1)
+    side_by_side = (spec.parallel or 1) > 1 or spec.gpus_per_trial > 0
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=side_by_side)
 
 
 def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:

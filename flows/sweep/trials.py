@@ -37,6 +37,7 @@ from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
+from flows.sweep.gpus import GpuPool
 from flows.sweep.parents import pinned
 from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step, trial_values
 from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
@@ -101,6 +102,8 @@ class SweepContext:
     study_uid: str  # the search study's own id (flows.sweep.study.study_uid)
     directory: Path  # the study's trial directories
     pins: dict[str, str] = field(default_factory=dict)  # init_from aliases pinned for the study (parents.py)
+    at_once: int = 1  # trials side by side
+    gpus: GpuPool | None = None  # local trials' GPUs (gpus_per_trial), else None
     stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
 
     def values(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -115,30 +118,12 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
         launcher: LocalTrial | DeploymentTrial = (
             LocalTrial(plan, ctx, trial) if ctx.spec.launch == "local" else DeploymentTrial(plan, ctx, trial)
         )
-        launcher.start()
-        watch = RunWatch(plan, ctx, launcher.run_filter())
-        scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
-        stop_sent, shutdown, beat = False, False, 0.0
-        while True:
-            ended = launcher.poll()
-            if ended is None and ctx.stopping.is_set() and not stop_sent:
-                launcher.stop()  # it writes a checkpoint and ends; the study keeps the trial to continue
-                stop_sent = shutdown = True
-            for step, value in watch.new_scores():
-                if trial is None:
-                    continue
-                trial.report(value, step * scale)
-                if plan.prune and not stop_sent and trial.should_prune():
-                    print(f"trial {plan.number}: pruned at step {step} ({value:.4f}); stopping it")
-                    launcher.stop()
-                    stop_sent = True
-            if ended is not None:
-                break
-            if trial is not None and time.monotonic() - beat > HEARTBEAT_S:
-                trial.set_user_attr(HEARTBEAT, time.time())
-                beat = time.monotonic()
-            time.sleep(POLL_S)
-        ok, message = ended
+        try:
+            launcher.start()
+            watch = RunWatch(plan, ctx, launcher.run_filter())
+            (ok, message), stop_sent, shutdown = _follow(plan, trial, ctx, launcher, watch)
+        finally:
+            launcher.finish()
         seconds = time.monotonic() - started
     if shutdown or (not ok and not stop_sent and launcher.interrupted):
         if trial is not None:
@@ -154,6 +139,38 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
         message = message or f"the run ended without {METRICS[ctx.spec.metric][0]}"
     watch.mark(state)
     return TrialOutcome(plan.number, state, value, watch.steps_trained(), watch.run_id, seconds, message)
+
+
+def _follow(
+    plan: TrialPlan,
+    trial: optuna.trial.Trial | None,
+    ctx: SweepContext,
+    launcher: LocalTrial | DeploymentTrial,
+    watch: RunWatch,
+) -> tuple[tuple[bool, str], bool, bool]:
+    """Report the run's scores until it ends, stopping it when pruned or when the sweep stops:
+    ((ok, message), stop sent, stopped with the sweep)."""
+    scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
+    stop_sent, shutdown, beat = False, False, 0.0
+    while True:
+        ended = launcher.poll()
+        if ended is None and ctx.stopping.is_set() and not stop_sent:
+            launcher.stop()  # it writes a checkpoint and ends; the study keeps the trial to continue
+            stop_sent = shutdown = True
+        for step, value in watch.new_scores():
+            if trial is None:
+                continue
+            trial.report(value, step * scale)
+            if plan.prune and not stop_sent and trial.should_prune():
+                print(f"trial {plan.number}: pruned at step {step} ({value:.4f}); stopping it")
+                launcher.stop()
+                stop_sent = True
+        if ended is not None:
+            return ended, stop_sent, shutdown
+        if trial is not None and time.monotonic() - beat > HEARTBEAT_S:
+            trial.set_user_attr(HEARTBEAT, time.time())
+            beat = time.monotonic()
+        time.sleep(POLL_S)
 
 
 @contextmanager
@@ -192,6 +209,7 @@ class LocalTrial:
         self.stopped = False
         self.interrupted = False
         self.log = plan.directory / "output.log"
+        self.devices: list[str] = []  # its GPUs (gpus_per_trial), given back when it ends
 
     def start(self) -> None:
         if self.trial is not None:
@@ -204,16 +222,23 @@ class LocalTrial:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         context = json.loads(env.get(RUN_CONTEXT_ENV) or "{}")
         env[RUN_CONTEXT_ENV] = json.dumps({**context, TAG_KEY: self.plan.key})
-        if self.ctx.spec.parallel > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.spec.parallel))
+        if self.ctx.at_once > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.at_once))
+        if self.ctx.gpus is not None:
+            self.devices = self.ctx.gpus.take()
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         command = [sys.executable, "-m", "flows.sweep.child", str(os.getpid()), "--config", str(config)]
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         if self.trial is not None:
             pid = self.process.pid
-            self.trial.set_user_attr(
-                CHILD, {"host": socket.gethostname(), "pid": pid, "started": start_mark(pid)}
-            )
+            child = {"host": socket.gethostname(), "pid": pid, "started": start_mark(pid)}
+            self.trial.set_user_attr(CHILD, {**child, "gpus": self.devices} if self.devices else child)
+
+    def finish(self) -> None:
+        if self.ctx.gpus is not None and self.devices:
+            self.ctx.gpus.give_back(self.devices)
+            self.devices = []
 
     def run_filter(self) -> str:
         return f"tags.`{TAG_KEY}` = '{self.plan.key}'"
@@ -292,6 +317,9 @@ class DeploymentTrial:
 
     def run_filter(self) -> str:
         return f"tags.`{FLOW_RUN_TAG}` = '{self.flow_run_id}'"
+
+    def finish(self) -> None:
+        return None
 
     def poll(self) -> tuple[bool, str] | None:
         assert self.flow_run_id is not None
