@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -174,9 +175,9 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
         get_client(sync_client=True) as prefect,
     ):
         limits = prefect.read_global_concurrency_limits()
-    assert [(limit.name.startswith("llamaflow-sweeps-"), limit.active_slots) for limit in limits] == [
-        (True, 0)
-    ]
+    assert [
+        (limit.name, limit.active_slots) for limit in limits if limit.name.startswith("llamaflow-sweeps-")
+    ] == [(f"llamaflow-sweeps-{socket.gethostname()}", 0)]
 
 
 def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> None:
@@ -211,6 +212,29 @@ def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> Non
     assert 2 <= max(m.step for m in trained) < steps  # stopped early, after its first score
     assert weak.user_attrs["steps"] == max(m.step for m in trained)
     assert good.user_attrs["steps"] == steps
+    # The pruned trial's checkpoints are gone (no one resumes them), the finished one's kept.
+    trials = _trials_dir(root, name)
+    assert not list((trials / "trial-001" / "run").glob("step_*"))
+    assert list((trials / "trial-000" / "run").glob("step_*"))
+    assert "training stopped by SIGTERM" in (trials / "trial-001" / "output.log").read_text()  # it wrote one
+
+
+def test_a_sweep_that_fails_leaves_its_run_failed(world: tuple) -> None:
+    root, env, data = world
+    name = "fails"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 4},
+        "space": {"lr": {"choices": [0.003]}},
+        "sampler": "grid",
+        "launch": "deployment",
+        "deployment": "pretrain/no-such-deployment",
+        "concurrency_limit": "sweep-e2e-fails",
+    }
+    log = root / f"{name}.log"
+    assert _sweep(root, env, spec).wait(timeout=300) == 1, tail(log)
+    (run,) = [r for r in _runs(env) if r.info.run_name == name]
+    assert run.data.tags["llamaflow.sweep.kind"] == "sweep" and run.info.status == "FAILED"
 
 
 def test_a_sweep_started_over_under_the_same_name_never_touches_the_old_ones_runs(world: tuple) -> None:

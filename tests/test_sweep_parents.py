@@ -10,8 +10,8 @@ import optuna
 
 from flows.sweep.flow import _plan
 from flows.sweep.parents import PARENTS, pin_parents
+from flows.sweep.runs import SweepContext
 from flows.sweep.spec import check_spec
-from flows.sweep.trials import SweepContext
 from tasks.tracking import store
 
 

@@ -26,7 +26,7 @@ from flows.sweep.report import (
     recommend,
 )
 from flows.sweep.spec import Pruner, check_spec, pretrain_command, tokens_per_step, trial_values
-from flows.sweep.study import STORAGE_ENV, sampler_of, search_fingerprint, storage_url
+from flows.sweep.study import STORAGE_ENV, home_free, sampler_of, search_fingerprint, spec_record, storage_url
 
 GOOD = {
     "name": "wd",
@@ -259,3 +259,9 @@ def test_trials_at_once_are_as_many_as_the_gpus_hold() -> None:
     assert first == ["2", "3"] and second == ["5", "7"]
     pool.give_back(first)
     assert pool.take() == ["2", "3"]
+
+
+def test_the_study_keeps_its_storage_without_the_password() -> None:
+    spec = check_spec({**GOOD, "storage": "postgresql+psycopg://me:s3cret@db.example/sweeps"})
+    assert spec_record(spec)["storage"] == "postgresql+psycopg://me:***@db.example/sweeps"
+    assert home_free(storage_url(spec)) == "postgresql+psycopg://me:***@db.example/sweeps"

@@ -44,6 +44,7 @@ from flows.sweep.report import (
     recommend,
     trial_rows,
 )
+from flows.sweep.runs import SweepContext, TrialOutcome, TrialPlan
 from flows.sweep.spec import SweepSpec, check_spec, load_spec, pretrain_command
 from flows.sweep.study import (
     Claimed,
@@ -57,7 +58,8 @@ from flows.sweep.study import (
     sweep_dir,
     trial_key,
 )
-from flows.sweep.trials import SweepContext, TrialOutcome, TrialPlan, run_trial
+from flows.sweep.trials import run_trial
+from tasks.credentials import redact
 from tasks.home import apply_embedded_defaults
 from tasks.tracking import store
 
@@ -385,10 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         end_quietly(f"stopped: {err or 'interrupted'}; run the same command again to continue the sweep")
         return 130
     except SpecChangedError as err:
-        end_quietly(f"error: {err}")
+        end_quietly(f"error: {redact(str(err))}")
         return 2
-    except Exception as err:
-        end_quietly(f"error: {err}")
+    except Exception as err:  # a storage's or a store's error may quote its URL, password and all
+        end_quietly(f"error: {redact(str(err))}")
         return 1
     return 0
 

@@ -17,9 +17,9 @@ import optuna
 from mlflow.entities import Metric
 from optuna.trial import FrozenTrial, TrialState
 
+from flows.sweep.runs import TAG_KIND, TAG_SWEEP
 from flows.sweep.spec import SweepSpec, pretrain_command, trial_values
 from flows.sweep.study import home_free, storage_url
-from flows.sweep.trials import TAG_KIND, TAG_SWEEP
 from tasks.tracking import store
 
 PARENT_ATTR = "mlflow_parent_run_id"

@@ -143,6 +143,7 @@ class SweepSpec(_Strict):
         None, description="Optuna storage URL (default: LLAMAFLOW_SWEEP_STORAGE, else a journal file)"
     )
     register_winner: bool = Field(False, description="Train the winner once more under the base's model_name")
+    keep_pruned: bool = Field(False, description="Keep a pruned local trial's checkpoints (default: removed)")
 
     @field_validator("pruner")
     @classmethod

@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 from flows.services.processes import start_mark
 from flows.sweep.spec import SweepSpec, check_storage, is_integer
 from tasks import home
+from tasks.credentials import redact_uri
 
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
 STALE_AFTER_S = 180.0
@@ -150,7 +151,7 @@ def open_study(
     recorded = study.user_attrs.get("search")
     if recorded is None:
         study.set_user_attr("search", fingerprint)
-        study.set_user_attr("spec", spec.model_dump(mode="json"))
+        study.set_user_attr("spec", spec_record(spec))
     elif recorded != fingerprint:
         changed = changed_fields(spec, study.user_attrs.get("spec", {}))
         if changed or "spec" not in study.user_attrs:
@@ -188,9 +189,16 @@ def existing_study(spec: SweepSpec, suffix: str = "") -> optuna.Study | None:
 
 
 def home_free(url: str) -> str:
-    from tasks.tracking.store import redact_uri
-
+    """The storage URL as it may be shown or stored: without the password it may hold."""
     return redact_uri(url)
+
+
+def spec_record(spec: SweepSpec) -> dict[str, Any]:
+    """The spec as the study keeps it (its storage's password is not kept)."""
+    record = spec.model_dump(mode="json")
+    if record.get("storage"):
+        record["storage"] = redact_uri(record["storage"])
+    return record
 
 
 # ------------------------------------------------------------------ owners and adoption

@@ -2,11 +2,8 @@
 --config`, the command line itself) or on the pool (a run of the pretrain deployment), watched until it
 ends.
 
-The trial's MLflow run is found by a tag that names the trial and nothing else, never by its run name (a
-sweep started over under the same name reuses the names): a local trial's run gets `llamaflow.sweep.key`
-(the study's own id and Optuna's trial id) when the child creates it (MLflow's MLFLOW_RUN_CONTEXT), a
-deployment trial's run is the one tagged with its flow run's id. The run carries its periodic validation scores (`val_subset/...`, logged by the engine every
-`eval_every` steps): they are reported to Optuna as they appear there, which works the same for a child
+The trial's MLflow run (found by a tag of its own: flows/sweep/runs.py) carries its periodic validation
+scores (`val_subset/...`, logged by the engine every `eval_every` steps): they are reported to Optuna as they appear there, which works the same for a child
 process and for a worker on another machine. A trial the pruner stops is stopped like any run (SIGTERM to
 the child, cancellation of the flow run): training writes a checkpoint and ends. A child process also
 gets SIGTERM when the sweep process dies (Linux), and a sweep that adopts a killed sweep's trial first
@@ -17,98 +14,39 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
 import psutil
 import yaml
-from mlflow.entities import RunTag
 from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
-from flows.sweep.gpus import GpuPool
-from flows.sweep.parents import pinned
-from flows.sweep.spec import METRICS, SweepSpec, tokens_per_step, trial_values
+from flows.sweep.runs import RUN_CONTEXT_ENV, TAG_KEY, RunWatch, SweepContext, TrialOutcome, TrialPlan
+from flows.sweep.spec import METRICS, tokens_per_step
 from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
 from tasks.home import PROJECT_ROOT
-from tasks.tracking import store
 from tasks.tracking.runs import FLOW_RUN_TAG
+from tasks.training.checkpoint import checkpoint_dirs
 
 # How often a running trial's MLflow run is read (its scores reach MLflow within ~1 s of the step).
 POLL_S = float(os.environ.get("LLAMAFLOW_SWEEP_POLL_S", "2"))
 LEASE_S = 120.0  # a slot of a killed sweep frees itself after this, unless the next sweep frees it first
 CHILD, FLOW_RUN, LEASE = "child", "flow_run_id", "lease_id"  # trial user attributes
-TAG_SWEEP, TAG_TRIAL, TAG_STATE, TAG_KIND, TAG_KEY = (
-    "llamaflow.sweep",
-    "llamaflow.sweep.trial",
-    "llamaflow.sweep.state",
-    "llamaflow.sweep.kind",
-    "llamaflow.sweep.key",
-)
-RUN_CONTEXT_ENV = "MLFLOW_RUN_CONTEXT"  # MLflow adds this JSON's tags to every run the process creates
 
 
 class SweepInterrupted(KeyboardInterrupt):
     """A trial was stopped from outside the sweep (Ctrl-C): the sweep stops, the trial stays to resume."""
-
-
-@dataclass(frozen=True)
-class TrialPlan:
-    number: int  # Optuna's trial number (-1: not a trial, the winner's registration run)
-    kind: str  # search | confirm | winner
-    params: dict[str, Any]  # what the sampler drew (search), the candidate's values (confirm)
-    values: dict[str, Any]  # the run's PretrainConfig values: base, params, budget, what the sweep sets
-    directory: Path  # config.yaml and output.log here; the run's checkpoints too when it runs locally
-    prune: bool
-    adopted: bool
-    key: str  # the trial's own tag value: its study's id and its trial id (flows.sweep.study.trial_key)
-
-    @property
-    def run_name(self) -> str:
-        return str(self.values["run_name"])
-
-
-@dataclass
-class TrialOutcome:
-    number: int
-    state: TrialState
-    value: float | None
-    steps: int
-    run_id: str | None
-    seconds: float
-    message: str = ""
-
-
-@dataclass
-class SweepContext:
-    spec: SweepSpec
-    uri: str  # MLflow store
-    parent_run_id: str
-    api_url: (
-        str  # the Prefect API the trials report to (this sweep's temporary server on the embedded default)
-    )
-    limit: str | None  # Prefect global concurrency limit; None on the embedded API (see flows.sweep)
-    study_uid: str  # the search study's own id (flows.sweep.study.study_uid)
-    directory: Path  # the study's trial directories
-    pins: dict[str, str] = field(default_factory=dict)  # init_from aliases pinned for the study (parents.py)
-    at_once: int = 1  # trials side by side
-    gpus: GpuPool | None = None  # local trials' GPUs (gpus_per_trial), else None
-    stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
-
-    def values(self, params: dict[str, Any]) -> dict[str, Any]:
-        """A run's PretrainConfig values for these sampled values, its parent the study's pinned version."""
-        return pinned(trial_values(self.spec, params), self.pins)
 
 
 def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepContext) -> TrialOutcome:
@@ -138,6 +76,8 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
         state = TrialState.FAIL
         message = message or f"the run ended without {METRICS[ctx.spec.metric][0]}"
     watch.mark(state)
+    if state == TrialState.PRUNED and isinstance(launcher, LocalTrial) and not ctx.spec.keep_pruned:
+        launcher.remove_checkpoints()
     return TrialOutcome(plan.number, state, value, watch.steps_trained(), watch.run_id, seconds, message)
 
 
@@ -234,6 +174,12 @@ class LocalTrial:
             pid = self.process.pid
             child = {"host": socket.gethostname(), "pid": pid, "started": start_mark(pid)}
             self.trial.set_user_attr(CHILD, {**child, "gpus": self.devices} if self.devices else child)
+
+    def remove_checkpoints(self) -> None:
+        """A pruned trial's checkpoints: no one resumes them (spec.keep_pruned keeps them)."""
+        run_dir = self.plan.values.get("checkpoint_dir")
+        for _, path in checkpoint_dirs(Path(run_dir)) if run_dir else ():
+            shutil.rmtree(path, ignore_errors=True)
 
     def finish(self) -> None:
         if self.ctx.gpus is not None and self.devices:
@@ -336,62 +282,3 @@ class DeploymentTrial:
             client.set_flow_run_state(
                 self.flow_run_id, Cancelling(message=f"pruned by sweep {self.ctx.spec.name}")
             )
-
-
-class RunWatch:
-    """The trial's MLflow run: found by its own tag (`run_filter`), made a child of the sweep's run, read for
-    scores. Looked up again until the trial ends: a trial killed before its run directory recorded its
-    run starts a new one with the same tag, and the newest is the one that trains."""
-
-    def __init__(self, plan: TrialPlan, ctx: SweepContext, run_filter: str) -> None:
-        self.plan, self.ctx, self.run_filter = plan, ctx, run_filter
-        self.client = store.get_client(ctx.uri)
-        self.experiment = PretrainConfig(**plan.values).experiment
-        self.run_id: str | None = None
-        self.reported: set[int] = set()
-        self.score_key = METRICS[ctx.spec.metric][1]
-
-    def _find(self) -> str | None:
-        experiment = self.client.get_experiment_by_name(self.experiment)
-        if experiment is None:
-            return None
-        found = self.client.search_runs(
-            [experiment.experiment_id],
-            filter_string=self.run_filter,
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-        if found and found[0].info.run_id != self.run_id:
-            self.run_id = found[0].info.run_id
-            tags = {
-                "mlflow.parentRunId": self.ctx.parent_run_id,
-                TAG_SWEEP: self.ctx.spec.name,
-                TAG_TRIAL: str(self.plan.number),
-                TAG_KEY: self.plan.key,
-                TAG_KIND: self.plan.kind,
-                TAG_STATE: "RUNNING",
-            }
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-        return self.run_id
-
-    def new_scores(self) -> list[tuple[int, float]]:
-        if self._find() is None:
-            return []
-        history = self.client.get_metric_history(self.run_id, self.score_key)
-        new = sorted({m.step: m.value for m in history if m.step not in self.reported}.items())
-        self.reported.update(step for step, _ in new)
-        return new
-
-    def final_value(self) -> float | None:
-        if self._find() is None:
-            return None
-        return self.client.get_run(self.run_id).data.metrics.get(METRICS[self.ctx.spec.metric][0])
-
-    def steps_trained(self) -> int:
-        if self._find() is None:
-            return 0
-        return max((m.step for m in self.client.get_metric_history(self.run_id, "train/loss")), default=0)
-
-    def mark(self, state: TrialState) -> None:
-        if self._find() is not None:
-            self.client.set_tag(self.run_id, TAG_STATE, state.name)
