@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_common import RESULTS_DIR, ROOT, load_average, machine_info, write_json  # noqa: E402
 from flows.sweep.spec import SweepSpec, load_spec, pretrain_command, trial_values  # noqa: E402
-from flows.sweep.study import FINISHED, existing_study, sweep_dir  # noqa: E402
+from flows.sweep.study import FINISHED, existing_study, trials_dir  # noqa: E402
 
 
 def run(spec: SweepSpec, spec_path: Path, log: Path, kill_after: int | None) -> dict[str, Any]:
@@ -60,7 +60,8 @@ def _ready_to_kill(spec: SweepSpec, finished: int) -> bool:
     if study is None or len(study.get_trials(deepcopy=False, states=FINISHED)) < finished:
         return False
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    return any(any((sweep_dir(spec.name) / f"trial-{t.number:03d}" / "run").glob("step_*")) for t in running)
+    directory = trials_dir(spec.name, study)
+    return any(any((directory / f"trial-{t.number:03d}" / "run").glob("step_*")) for t in running)
 
 
 def _resumed_from(directory: Path) -> int | None:
@@ -95,7 +96,7 @@ def main() -> None:
     assert study is not None, f"no study {spec.name}: see {log}"
     trials = []
     for t in sorted(study.get_trials(), key=lambda t: t.number):
-        directory = sweep_dir(spec.name) / f"trial-{t.number:03d}"
+        directory = trials_dir(spec.name, study) / f"trial-{t.number:03d}"
         trials.append(
             {
                 "number": t.number,

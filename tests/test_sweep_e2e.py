@@ -233,6 +233,10 @@ def test_a_sweep_that_fails_leaves_its_run_failed(world: tuple) -> None:
     }
     log = root / f"{name}.log"
     assert _sweep(root, env, spec).wait(timeout=300) == 1, tail(log)
+    assert (
+        "error: deployment 'pretrain/no-such-deployment' does not exist on the Prefect server"
+        in log.read_text()
+    )
     (run,) = [r for r in _runs(env) if r.info.run_name == name]
     assert run.data.tags["llamaflow.sweep.kind"] == "sweep" and run.info.status == "FAILED"
 
@@ -282,6 +286,8 @@ def test_on_a_two_gpu_host_two_trials_run_at_once_one_gpu_each(world: tuple) -> 
         "space": {"lr": {"choices": [0.003, 0.002]}},
         "sampler": "grid",
         "gpus_per_trial": 1,
+        # A limit of its own: the host's default one was created by the sweeps above with 1 slot.
+        "concurrency_limit": "sweep-e2e-gpus",
     }
     log = root / f"{name}.log"
     assert _sweep(root, {**env, "LLAMAFLOW_SWEEP_GPUS": "2"}, spec).wait(timeout=600) == 0, tail(log)

@@ -55,8 +55,8 @@ from flows.sweep.study import (
     storage_url,
     study_uid,
     suggest,
-    sweep_dir,
     trial_key,
+    trials_dir,
 )
 from flows.sweep.trials import run_trial
 from tasks.credentials import redact
@@ -161,10 +161,7 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         if PREFECT_API_URL.value():
             limit = spec.concurrency_limit or _default_limit(spec, client)
             _ensure_limit(client, limit, at_once)
-    # The trials' directories belong to this study: one started over under the same name (its journal
-    # deleted, another storage) must not resume the checkpoints, or continue the MLflow runs, of the old one.
-    uid = study_uid(study)
-    directory = sweep_dir(spec.name) / f"study-{uid[:8]}"
+    uid, directory = study_uid(study), trials_dir(spec.name, study)
     pins = pin_parents(spec, study, uri)
     gpus = (
         GpuPool(host_gpus(), spec.gpus_per_trial) if spec.gpus_per_trial and spec.launch == "local" else None

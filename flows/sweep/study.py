@@ -175,6 +175,12 @@ def study_uid(study: optuna.Study) -> str:
     return str(study.user_attrs[STUDY_UID])
 
 
+def trials_dir(name: str, study: optuna.Study) -> Path:
+    """Where the study's trials keep their run directories: one folder per study, so one started over under
+    the same name (its journal deleted, another storage) never resumes the old one's checkpoints."""
+    return sweep_dir(name) / f"study-{study_uid(study)[:8]}"
+
+
 def trial_key(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> str:
     """The tag value that names one trial of one study, in every store and across restarts."""
     return f"{study_uid(study)}.{trial._trial_id}"

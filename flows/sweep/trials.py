@@ -244,13 +244,21 @@ class DeploymentTrial:
             self.flow_run_id = recorded
             print(f"trial {self.plan.number}: rejoining its running flow run {recorded}")
             return
+        from prefect.exceptions import ObjectNotFound
+
         values = {k: v for k, v in self.plan.values.items() if k != "checkpoint_dir"}  # the worker's own
-        flow_run = run_deployment(
-            self.ctx.spec.deployment,
-            parameters={"config": values},
-            timeout=0,
-            tags=[f"sweep:{self.ctx.spec.name}", f"trial:{self.plan.number}"],
-        )
+        try:
+            flow_run = run_deployment(
+                self.ctx.spec.deployment,
+                parameters={"config": values},
+                timeout=0,
+                tags=[f"sweep:{self.ctx.spec.name}", f"trial:{self.plan.number}"],
+            )
+        except ObjectNotFound as err:
+            raise ValueError(
+                f"deployment {self.ctx.spec.deployment!r} does not exist on the Prefect server: deploy it "
+                "(prefect deploy) or name an existing one in the spec's `deployment`"
+            ) from err
         self.flow_run_id = str(flow_run.id)
         if self.trial is not None:
             self.trial.set_user_attr(FLOW_RUN, self.flow_run_id)
