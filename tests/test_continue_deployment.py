@@ -1,7 +1,9 @@
 """The `continue` deployment of prefect.yaml, end to end: a real Prefect server, the repository's deployments on
 a process work pool, a real worker. A first champion is registered in the MLflow store; the deployment, run
 twice as its schedule would, continues from the champion each time, and the lineage grows by one per night:
-version 2's parent is version 1, version 3's is the champion it started from.
+version 2's parent is version 1, version 3's is the champion it started from. The corpus grows between the
+nights (a new file, as a nightly corpus does), and each night's decision is the one expected: a few steps
+from a randomly initialised first champion score better, so each night's version is promoted.
 
 The deployments run from this checkout (as in tests/test_deployment.py); each run keeps the deployment's own
 config (preset, init_from) and only makes it short and points it at a small corpus.
@@ -22,6 +24,7 @@ from prefect_server import POOL, deploy_from_checkout, pool_server, prefect_work
 from stdlib_corpus import copy_modules
 from tasks.refs import CheckpointRef
 from tasks.registry import lineage
+from tasks.registry.decision import TAG_PROMOTED
 from tasks.registry.publish import log_version
 from tasks.tokenize import train_tokenizer
 from tasks.tracking import store
@@ -91,7 +94,10 @@ def test_the_continue_deployment_grows_the_lineage_by_one_each_night(
     assert config["init_from"] == f"models:/{NAME}@champion"
 
     mlflow = store.get_client(uri)
+    digests = []
     for night in (1, 2):
+        if night == 2:  # the corpus grew overnight
+            copy_modules(corpus, ("heapq.py",))
         champion = str(mlflow.get_model_version_by_alias(NAME, "champion").version)
         with get_client(sync_client=True) as client:
             run = client.create_flow_run_from_deployment(
@@ -107,5 +113,11 @@ def test_the_continue_deployment_grows_the_lineage_by_one_each_night(
         assert f"|{NAME}/1|" in version.tags[lineage.TAG_LINEAGE]
         if night == 1:
             assert champion == "1"  # version 2's parent is version 1
+        # The decision expected: better than the champion it started from, so it holds @champion now.
+        assert version.tags[TAG_PROMOTED] == "true", version.tags
+        assert str(mlflow.get_model_version_by_alias(NAME, "champion").version) == str(night + 1)
+        inputs = mlflow.get_run(version.run_id).inputs.dataset_inputs
+        digests.append({i.dataset.name.rsplit("/", 1)[-1]: i.dataset.digest for i in inputs}["train"])
+    assert digests[0] != digests[1]  # night 2 trained on the grown corpus
     descendants = [str(v.version) for v in lineage.descendants(NAME, 1, uri)]
     assert descendants == ["2", "3"]

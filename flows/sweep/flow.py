@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         end_quietly(f"error: {redact(str(err))}")
         return 2
     except Exception as err:  # a storage's or a store's error may quote its URL, password and all
-        end_quietly(f"error: {redact(str(err))}")
+        end_quietly(f"error: {redact(str(err) or type(err).__name__)}")
         return 1
     return 0
 
