@@ -240,9 +240,12 @@ class DeploymentTrial:
 
         recorded = self.trial.user_attrs.get(FLOW_RUN) if self.trial is not None else None
         state = self._state(recorded) if recorded else None
-        if state is not None and not state.is_final():
+        # Still running: rejoined. Completed while no sweep watched it (the sweep was killed): its result is
+        # read from its MLflow run, not trained again.
+        if state is not None and (not state.is_final() or state.is_completed()):
             self.flow_run_id = recorded
-            print(f"trial {self.plan.number}: rejoining its running flow run {recorded}")
+            how = "reading the result of its completed" if state.is_completed() else "rejoining its running"
+            print(f"trial {self.plan.number}: {how} flow run {recorded}")
             return
         from prefect.exceptions import ObjectNotFound
 
