@@ -35,7 +35,15 @@ from tasks import home
 from tasks.data import token_store
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import Corpus, CorpusSplit, DataError, DataSettings, blake, resolve_corpus
+from tasks.data.corpus import (
+    Corpus,
+    CorpusSplit,
+    DataError,
+    DataSettings,
+    blake,
+    corpus_of_parameters,
+    resolve_corpus,
+)
 from tasks.data.errors import data_logger
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
@@ -364,15 +372,7 @@ def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> s
     tokenizer = args["tokenizer"]
     if isinstance(tokenizer, dict):
         tokenizer = TokenizerRef(**tokenizer)
-    corpus = resolve_corpus(
-        args.get("data"),
-        val_fraction=args.get("val_fraction"),
-        val_data=args.get("val_data"),
-        text_field=args.get("text_field"),
-        hf_split=args.get("hf_split"),
-        hf_val_split=args.get("hf_val_split"),
-        streaming=args.get("streaming"),
-    )
+    corpus = corpus_of_parameters(args)
     fingerprint = dataset_fingerprint(
         corpus, tokenizer, args["seq_len"], bool(args.get("keep_remainder")), bool(args.get("add_bos"))
     )

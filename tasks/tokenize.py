@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from model.atomic import atomic_dir
 from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import DataError, DataSettings, blake, resolve_corpus
+from tasks.data.corpus import DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
 from tasks.data.errors import data_logger
 from tasks.refs import TokenizerRef
 
@@ -239,14 +239,7 @@ def _tokenizer_cache_key(context: TaskRunContext, parameters: dict[str, Any]) ->
     args = dict(parameters)
     if args.get("tokenizer_path") is not None:
         return None  # importing is cheap and the file may change in place
-    corpus = resolve_corpus(
-        args.get("data"),
-        val_fraction=args.get("val_fraction"),
-        val_data=args.get("val_data"),
-        text_field=args.get("text_field"),
-        hf_split=args.get("hf_split"),
-        hf_val_split=args.get("hf_val_split"),
-    )
+    corpus = corpus_of_parameters(args)
     _, sample = corpus.train.sample(
         args.get("sample_bytes", SAMPLE_BYTES)
     )  # the choice only: nothing is read

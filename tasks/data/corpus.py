@@ -16,7 +16,7 @@ unless `hf_val_split` names a split.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -239,6 +239,12 @@ def _whole_source(source: str, settings: DataSettings, name: Literal["train", "v
         return CorpusSplit(name, blake(FORMAT_VERSION, table_fingerprint(table)), source, table=table)
     files = read_source_files(source, *kind.list_files(source), settings.text_field)
     return _files_split(name, source, [FilePart(f) for f in files], settings.text_field)
+
+
+def corpus_of_parameters(parameters: Mapping[str, Any]) -> Corpus:
+    """The corpus that a data stage task's parameters name (its cache key reads them before the task runs)."""
+    named = {key: parameters[key] for key in DataSettings.model_fields if key != "data" and key in parameters}
+    return resolve_corpus(parameters.get("data"), **named)
 
 
 def resolve_corpus(data: str | DataSettings | None = None, **overrides: Any) -> Corpus:

@@ -132,47 +132,35 @@ def write_checkpoint(
     """Write `run_dir/step_{step:06d}` atomically, every rank its part, then prune (`prune_checkpoints`).
     A collective: every rank calls it (`trainer_state` is read on the main rank only)."""
     final = run_dir / checkpoint_name(step)
-    contents = (step, parallel, optimizer, trainer_state, model_config, settings, device, dist, midway)
+
+    def fill(tmp: Path) -> None:
+        whole = parallel.full_state_dict()  # gathered into the main rank's CPU memory under FSDP2
+        save_optimizer_state(tmp / OPTIMIZER_DIR, parallel.plain, optimizer)  # every rank its shards
+        if midway is not None:
+            midway()
+        rng = tmp / rng_file(dist.rank)
+        torch.save(capture_rng_state(device), rng)
+        _fsync(rng)
+        if dist.is_main:
+            save_weights(parallel.plain, tmp / MODEL_FILE, state=whole)
+            torch.save(trainer_state, tmp / STATE_FILE)
+            (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
+            (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+        del whole
+        dist.barrier()  # every rank's files are written
+        write_manifest(tmp, step, dist)
+
     if dist.is_main:
         # The same step written again (a stop request right after a periodic save) replaces the first one.
         with atomic_dir(final, replace=True, durable=True) as staged:
             dist.broadcast_object(str(staged.path))
-            _fill(staged.path, *contents)
+            fill(staged.path)
     else:
-        _fill(Path(str(dist.broadcast_object(None))), *contents)
+        fill(Path(str(dist.broadcast_object(None))))
     dist.barrier()  # published
     _remember_valid(final)
     prune_checkpoints(run_dir, keep, final, dist)
     return final
-
-
-def _fill(
-    tmp: Path,
-    step: int,
-    parallel: Parallel,
-    optimizer: TrainOptimizer,
-    trainer_state: dict[str, Any],
-    model_config: dict[str, Any],
-    settings: dict[str, Any],
-    device: torch.device,
-    dist: DistContext,
-    midway: Callable[[], None] | None,
-) -> None:
-    whole = parallel.full_state_dict()  # gathered into the main rank's CPU memory under FSDP2
-    save_optimizer_state(tmp / OPTIMIZER_DIR, parallel.plain, optimizer)  # every rank its shards
-    if midway is not None:
-        midway()
-    rng = tmp / rng_file(dist.rank)
-    torch.save(capture_rng_state(device), rng)
-    _fsync(rng)
-    if dist.is_main:
-        save_weights(parallel.plain, tmp / MODEL_FILE, state=whole)
-        torch.save(trainer_state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
-        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
-    del whole
-    dist.barrier()  # every rank's files are written
-    write_manifest(tmp, step, dist)
 
 
 def write_manifest(tmp: Path, step: int, dist: DistContext = _ONE) -> None:
