@@ -26,11 +26,11 @@ from flows.services.state import (
     Services,
     ServicesError,
     advertised_host,
-    is_loopback,
     load,
     locked,
     save,
 )
+from tasks.network import is_loopback
 
 
 def running(services: Services) -> dict[str, bool]:

@@ -27,9 +27,9 @@ from flows.services.state import (
     Secrets,
     ServerRecord,
     Services,
-    is_loopback,
     write_private,
 )
+from tasks.network import is_loopback
 
 SERVERS = ("prefect", "mlflow")
 AUTH_CONFIG = "mlflow-auth.ini"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import ipaddress
 import json
 import os
 import secrets
@@ -38,15 +37,6 @@ LOOPBACK = "127.0.0.1"
 
 class ServicesError(RuntimeError):
     """The stores cannot be started, stopped or changed; the message says why and what to do."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _url_host(host: str) -> str:

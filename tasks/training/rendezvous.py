@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import ipaddress
 import json
 import os
 import random
@@ -23,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tasks.network import is_loopback
 from tasks.training.errors import TrainingInputError
 from tasks.training.settings import TrainSettings
 
@@ -70,16 +70,6 @@ def node_address(toward: str) -> str | None:
             probe.connect(address)  # UDP: picks the route and the source address, sends nothing
             return str(probe.getsockname()[0])
     return None
-
-
-def is_loopback(host: str) -> bool:
-    """`host` (a name or an address literal, not resolved) names this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def local_address(settings: TrainSettings) -> str | None:
