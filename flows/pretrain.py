@@ -31,6 +31,7 @@ from tasks.build import build_model, parent_config
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.init_from import resolve_for_run_task
+from tasks.init_from.optimizer import check_parent_optimizer_task
 from tasks.init_from.vocab import check_positions
 from tasks.prepare_data import build_data, keep_tokenizer, prepare_tokenizer
 from tasks.register import register_task
@@ -57,13 +58,18 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     # and node; a retry or a resumed rerun of this run directory keeps what its start resolved.
     parent = resolve_for_run_task(config.init_from, run_dir)
     tokenizer, model_config = tokenizer_for(config, parent)  # both checked before any data work
+    optimizer_state = _parent_optimizer(config, parent, model_config, run_dir)
     dataset = build_data(config.data_settings(), tokenizer, config.seq_len, seed=config.seed)
     model = build_model_task(model_config, seed=config.seed, parent=parent)
+    if optimizer_state is not None:
+        model = model.model_copy(update={"optimizer_state": optimizer_state})
     keep_tokenizer(run_dir, tokenizer)
     _log_start(model, dataset, parent)
     run_id = _open_run(config, run_name, run_dir, uri)
     with _ending_run(run_id, uri):
         _log_inputs(run_id, config, model_config, dataset, parent, uri)
+        if optimizer_state is not None:
+            lineage.log_parent_optimizer(run_id, optimizer_state, uri)
         checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
         evaluation = _evaluate(config, checkpoint, dataset, tokenizer, model)
         _log_evaluation(run_id, evaluation, checkpoint, dataset, uri)
@@ -92,6 +98,15 @@ def tokenizer_for(
     if parent is not None:
         check_positions(config.seq_len, model_config, parent.source)
     return tokenizer, model_config
+
+
+def _parent_optimizer(
+    config: PretrainConfig, parent: refs.ParentRef | None, model_config: LlamaConfig, run_dir: str
+) -> str | None:
+    """With init_optimizer, the parent's checkpoint whose optimizer state the run starts with (checked)."""
+    if not config.init_optimizer:
+        return None
+    return check_parent_optimizer_task(parent, model_config, config.optimizer, run_dir)
 
 
 def _set_up(config: PretrainConfig) -> tuple[str, str, str]:

@@ -169,6 +169,12 @@ class PretrainConfig(TrainSettings, DataSettings):
         description="With init_from and a `tokenizer` that adds tokens to the parent's: grow the embedding "
         "to the tokenizer's size, new rows the mean of the old (otherwise a larger tokenizer is an error)",
     )
+    # init_optimizer (issue 42 item 7)
+    init_optimizer: bool = Field(
+        False,
+        description="With init_from: start with the parent's optimizer state (moments and step counts, from "
+        "its training checkpoint) instead of a new one; the same optimizer and parameter shapes, or an error",
+    )
     # checkpoints
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go; reusing one resumes it (default: a new run directory)"
@@ -256,6 +262,8 @@ class PretrainConfig(TrainSettings, DataSettings):
         else:
             if self.resize_embeddings:
                 raise ValueError("resize_embeddings grows a parent's embedding: it needs init_from")
+            if self.init_optimizer:
+                raise ValueError("init_optimizer carries a parent's optimizer state over: it needs init_from")
             try:
                 model_cfg = get_preset(self.model, vocab_size=self.vocab_size, **self.model_overrides)
             except (KeyError, TypeError, ValueError) as err:

@@ -85,6 +85,10 @@ class ModelRef(_Ref):
     fingerprint: str
     n_params: int
     parent: ParentRef | None = Field(None, description="Where the initial weights came from (init_from)")
+    optimizer_state: HomePath | None = Field(
+        None,
+        description="The parent's training checkpoint whose optimizer state a new run starts with (init_optimizer)",
+    )
 
 
 class CheckpointRef(_Ref):

@@ -29,10 +29,12 @@ from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
 from registry_world import sqlite_store
 from stdlib_corpus import copy_modules
 from tasks import home
+from tasks.build import parent_config
 from tasks.data import tokens
 from tasks.dataset import plan_tokenization
 from tasks.export import export_registered
-from tasks.init_from import InitFromError
+from tasks.init_from import InitFromError, resolve_init_from
+from tasks.init_from.optimizer import check_parent_optimizer
 from tasks.init_from.parent_cache import weights_sha256
 from tasks.lookup import download_model_files
 from tasks.prepare_data import build_data
@@ -131,10 +133,20 @@ def test_continue_from_the_hf_cache_then_from_the_champion_records_the_lineage(
             return parent
 
         monkeypatch.setattr(pretrain_module, "resolve_for_run_task", resolve_then_move_the_alias)
-        second = pretrain(PretrainConfig(**FAST, init_from=f"models:/{NAME}@champion", data=new_docs))
+        second = pretrain(
+            PretrainConfig(**FAST, init_from=f"models:/{NAME}@champion", init_optimizer=True, data=new_docs)
+        )
 
         # It loaded the version it resolved, not the one the alias points at now.
         assert second.parent.pinned == f"models:/{NAME}/{v1.version}"
+        # init_optimizer: it started with the optimizer state of the checkpoint v1 was registered from, found
+        # through v1's run, and says so in its run; a version no checkpoint of its run holds is refused.
+        assert second.model.optimizer_state == first.checkpoint.path
+        run_tags = client.get_run(second.run_id).data.tags
+        assert run_tags[lineage.TAG_PARENT_OPTIMIZER] == home.portable(first.checkpoint.path)
+        untrained = resolve_init_from(f"models:/{NAME}/{other.version}")
+        with pytest.raises(InitFromError, match="kept no checkpoint with its weights.*init_optimizer: false"):
+            check_parent_optimizer(untrained, parent_config(untrained), "adamw", tmp_path / "untrained")
         v1_files = download_model_files(f"models:/{NAME}/{v1.version}", tmp_path / "v1", uri)
         assert weights_sha256(Path(second.model.path) / "model.safetensors") == weights_sha256(
             v1_files.weights

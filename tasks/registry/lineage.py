@@ -25,6 +25,7 @@ from mlflow.entities import LoggedModelInput, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
+from tasks import home
 from tasks.refs import ParentRef, TokenizerRef
 from tasks.tracking import store
 
@@ -34,6 +35,7 @@ TAG_PARENT_VERSION = "llamaflow.parent.version"
 TAG_PARENT_MODEL_ID = "llamaflow.parent.model_id"
 TAG_PARENT_SOURCE = "llamaflow.parent.source"
 TAG_PARENT_BITS_PER_BYTE = "llamaflow.parent.bits_per_byte"
+TAG_PARENT_OPTIMIZER = "llamaflow.parent.optimizer_state"  # init_optimizer: the checkpoint it came from
 TAG_LINEAGE = "llamaflow.lineage"
 TAG_DEPTH = "llamaflow.lineage.depth"
 TAG_ROOT = "llamaflow.lineage.root"
@@ -144,6 +146,11 @@ def log_parent(run_id: str, parent: ParentRef, uri: str | None = None) -> None:
     tags = [RunTag(k, v) for k, v in parent_tags(parent).items() if run.data.tags.get(k) != v]
     if tags:
         client.log_batch(run_id, tags=tags, synchronous=True)
+
+
+def log_parent_optimizer(run_id: str, checkpoint: str, uri: str | None = None) -> None:
+    """init_optimizer: the parent's checkpoint whose optimizer state the run started with, as a run tag."""
+    store.get_client(uri).set_tag(run_id, TAG_PARENT_OPTIMIZER, home.portable(checkpoint), synchronous=True)
 
 
 def descendants_filter(name: str, version: str | int) -> str:

@@ -27,7 +27,7 @@ from tasks.training.loader import BlockLoader
 from tasks.training.loop import TrainLoop, checkpoint_ref
 from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
-from tasks.training.optimizer_state import load_optimizer_state
+from tasks.training.optimizer_state import load_optimizer_state, load_parent_optimizer_state
 from tasks.training.parallelize import Parallel, parallelize
 from tasks.training.periodic_eval import PeriodicEval
 from tasks.training.precision import resolve_dtype
@@ -260,6 +260,8 @@ def run_process(
     step, tokens_seen = 0, 0
     if resume is not None and state is not None:
         step, tokens_seen = _restore_state(resume, state, parallel, optimizer, loader, dist, device)
+    elif model_ref.optimizer_state is not None:  # a new run that starts with its parent's optimizer state
+        load_parent_optimizer_state(Path(model_ref.optimizer_state), parallel.plain, optimizer)
 
     loop = TrainLoop(
         parallel=parallel,

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from tasks.training.errors import TrainingInputError
 from tasks.training.optim import TrainOptimizer
 
 OPTIMIZER_DIR = "optimizer"
@@ -64,3 +65,61 @@ def load_optimizer_state(checkpoint: Path, model: nn.Module, optimizer: TrainOpt
         for key in entry:
             entry[key] = flat[f"{name}.{key}"]
     set_optimizer_state_dict(model, optimizer.optimizers, state)
+
+
+def saved_state_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
+    """`<parameter name>.<state key>` → shape of each tensor of checkpoint `checkpoint`'s optimizer state
+    (the whole tensor's, whatever the sharding it was written with); None when it holds no optimizer state.
+    Reads the files' headers only."""
+    directory = checkpoint / OPTIMIZER_DIR
+    if not directory.is_dir():
+        return None
+    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    shapes = {name: tuple(entry.size) for name, entry in metadata.state_dict_metadata.items()}
+    return shapes or None
+
+
+def state_differences(checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer) -> list[str]:
+    """What keeps checkpoint `checkpoint`'s optimizer state from loading into `optimizer` (built for
+    `model`): a state tensor only one side has (another parameter name, or another optimizer: AdamW keeps
+    exp_avg/exp_avg_sq/step, Muon momentum_buffer), or another shape. Initialises `optimizer`'s state (a
+    zero-LR step, as loading does), so call it only before loading into it."""
+    saved = saved_state_shapes(checkpoint)
+    if saved is None:
+        return [f"{checkpoint} holds no optimizer state"]
+    wanted = {
+        name: tuple(t.shape)
+        for name, t in _tensors(get_optimizer_state_dict(model, optimizer.optimizers)).items()
+    }
+    problems = []
+    for label, names in (
+        ("only in the checkpoint", sorted(saved.keys() - wanted.keys())),
+        ("only in this run", sorted(wanted.keys() - saved.keys())),
+    ):
+        if names:
+            problems.append(
+                f"{len(names)} state tensor(s) {label} ({', '.join(names[:3])}{', ...' * (len(names) > 3)})"
+            )
+    shapes = [
+        f"{n}: checkpoint {list(saved[n])}, now {list(wanted[n])}"
+        for n in sorted(saved.keys() & wanted.keys())
+        if saved[n] != wanted[n]
+    ]
+    if shapes:
+        problems.append(
+            f"{len(shapes)} shape(s) differ ({'; '.join(shapes[:3])}{'; ...' * (len(shapes) > 3)})"
+        )
+    return problems
+
+
+def load_parent_optimizer_state(checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer) -> None:
+    """A new run's start with its parent's optimizer state (`init_optimizer`): checkpoint `checkpoint`'s
+    moments and step counts, loaded like a resume's, after checking they fit (before any step)."""
+    problems = state_differences(checkpoint, model, optimizer)
+    if problems:
+        raise TrainingInputError(
+            f"init_optimizer: the optimizer state of {checkpoint} does not fit this run: {'; '.join(problems)}. "
+            "It carries over only to the same architecture trained with the same optimizer: set "
+            "init_optimizer: false to start with a new optimizer state"
+        )
+    load_optimizer_state(checkpoint, model, optimizer)
