@@ -1,10 +1,10 @@
-"""What the periodic validation score (`eval_every`, `eval_blocks`: what a sweep prunes on) costs.
+"""What the periodic validation score (`eval_every`, `eval_bytes`: what a sweep prunes on) costs.
 
-    .venv/bin/python benchmarks/periodic_eval_cost.py [--preset demo] [--steps 21] [--eval-blocks 64] [--every 30 150]
+    .venv/bin/python benchmarks/periodic_eval_cost.py [--preset demo] [--steps 21] [--eval-bytes 28672] [--every 30 150]
 
-One run of the real engine (`tasks.training.fit`, the preset's recipe and the main job's data) scoring
-`--eval-blocks` held-out blocks every 10 steps; its logged seconds per score (`val_subset/time_s`) against
-the median optimizer step give the share of a run's time the score adds at each `--every`:
+One run of the real engine (`tasks.training.fit`, the preset's recipe and the main job's data) scoring the
+first `--eval-bytes` bytes of the validation text every 10 steps; its logged seconds per score
+(`val_subset/time_s`) against the median optimizer step give the share of a run's time the score adds at each `--every`:
 score / (every x step). Output: benchmarks/results/periodic_eval[_TAG].json.
 """
 
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--steps", type=int, default=2 * SCORE_EVERY + 1)
-    parser.add_argument("--eval-blocks", type=int, default=64)
+    parser.add_argument("--eval-bytes", type=int, default=28672)
     parser.add_argument("--every", type=int, nargs="+", default=[30, 150])
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -50,7 +50,7 @@ def main() -> None:
             **config.train_settings().model_dump(),
             "max_steps": args.steps,
             "eval_every": SCORE_EVERY,
-            "eval_blocks": args.eval_blocks,
+            "eval_bytes": args.eval_bytes,
             "checkpoint_every": args.steps,
             "device": "cpu",
         }
@@ -67,8 +67,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "preset": args.preset,
         "dtype": resolve_dtype(torch.device("cpu"), settings.dtype),
-        "eval_blocks": args.eval_blocks,
-        "tokens_scored": args.eval_blocks * config.seq_len,
+        "eval_bytes": args.eval_bytes,
         "median_step_s": round(step_s, 4),
         "score_s": [round(s, 4) for s in scores],
         "cost_fraction": {str(every): round(score_s / (every * step_s), 5) for every in args.every},
@@ -78,7 +77,7 @@ def main() -> None:
     name = f"periodic_eval_{args.tag}.json" if args.tag else "periodic_eval.json"
     write_json(RESULTS_DIR / name, result)
     print(
-        f"{args.preset}: step {step_s:.3f} s, score of {args.eval_blocks} blocks {score_s:.3f} s; "
+        f"{args.preset}: step {step_s:.3f} s, score of {args.eval_bytes} bytes {score_s:.3f} s; "
         + ", ".join(f"every {e}: +{100 * f:.2f}%" for e, f in result["cost_fraction"].items())
     )
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 from prefect import task
 from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, generate, load_pretrained
 from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
-from tasks.scoring import ScoringError, ValidationText, validation_text, xz_bits_per_byte
+from tasks.scoring import ScoringError, ValidationText, encode_documents, validation_text, xz_bits_per_byte
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
 from tasks.training.distributed import resolve_device
 from tasks.training.loss import score_text, stream_loss
@@ -45,20 +44,12 @@ def rescore(
     if "eos_id" not in token_ids:
         raise ScoringError("its model_config names no eos_id, which separates the documents")
     eos = int(token_ids["eos_id"])
-    specials = {"eos": eos, "bos": int(token_ids.get("bos_id", eos))}
-    ids: list[int] = []
-    for kind, piece in text.documents():
-        if kind != "text":
-            ids.append(specials[kind])
-            continue
-        encoded = tokenizer.encode(piece, add_special_tokens=False).ids
-        if tokenizer.decode(encoded, skip_special_tokens=False) != piece:
-            raise ScoringError("its tokenizer does not reproduce the validation text exactly")
-        ids.extend(encoded)
+    tokens = encode_documents(text, tokenizer, {"eos": eos, "bos": int(token_ids.get("bos_id", eos))})
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and max(ids) >= vocab:
-        raise ScoringError(f"its tokenizer emits id {max(ids)} beyond the model's {vocab} embeddings")
-    tokens = np.asarray(ids, dtype=np.int64)
+    if vocab is not None and int(tokens.max()) >= vocab:
+        raise ScoringError(
+            f"its tokenizer emits id {int(tokens.max())} beyond the model's {vocab} embeddings"
+        )
     nats = stream_loss(model, tokens, context_id=eos, seq_len=seq_len, device=device, dtype=dtype)
     return nats / math.log(2) / len(text.text)
 

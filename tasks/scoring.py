@@ -12,6 +12,7 @@ with another tokenizer is scored on the same text by encoding its documents with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -139,17 +140,65 @@ def validation_text(dataset: DatasetRef, tokenizer: TokenizerRef, max_blocks: in
             run.append(table[t])
     if run:
         pieces.append(("text", b"".join(run)))
-    digest = hashlib.blake2b(digest_size=16)
-    for kind, data in pieces:
-        digest.update(f"{kind}:{len(data)}:".encode() + data)
     return ValidationText(
         dataset_fingerprint=dataset.fingerprint,
         tokens=tokens,
         context_id=tokenizer.eos_id,
         text=b"".join(data for _, data in pieces),
         pieces=tuple(pieces),
-        fingerprint=digest.hexdigest(),
+        fingerprint=_fingerprint(pieces),
     )
+
+
+def _fingerprint(pieces: list[tuple[str, bytes]] | tuple[tuple[str, bytes], ...]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for kind, data in pieces:
+        digest.update(f"{kind}:{len(data)}:".encode() + data)
+    return digest.hexdigest()
+
+
+def encode_documents(text: ValidationText, tokenizer: Tokenizer, specials: dict[str, int]) -> np.ndarray:
+    """The text in `tokenizer`'s ids: each run of text encoded alone, `specials["bos"|"eos"]` between
+    them. ScoringError when the tokenizer does not spell the text back exactly (other bytes)."""
+    ids: list[int] = []
+    for kind, piece in text.documents():
+        if kind != "text":
+            ids.append(specials[kind])
+            continue
+        encoded = tokenizer.encode(piece, add_special_tokens=False).ids
+        if tokenizer.decode(encoded, skip_special_tokens=False) != piece:
+            raise ScoringError("its tokenizer does not reproduce the validation text exactly")
+        ids.extend(encoded)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def first_bytes(
+    text: ValidationText, n_bytes: int, tokenizer: Tokenizer, specials: dict[str, int]
+) -> ValidationText:
+    """The text's first `n_bytes` bytes (cut back to a character boundary), in `tokenizer`'s ids: the same
+    bytes whatever tokenizer and block length the text was read with (a cut document is encoded as cut)."""
+    pieces: list[tuple[str, bytes]] = []
+    left = n_bytes
+    for kind, data in text.pieces:
+        if left <= 0:
+            break
+        if kind != "text":
+            pieces.append((kind, data))
+            continue
+        kept = data[:left].decode("utf-8", errors="ignore").encode("utf-8")  # drops a cut character
+        pieces.append((kind, kept))
+        left -= len(kept)
+        if len(kept) < len(data):
+            break
+    cut = ValidationText(
+        dataset_fingerprint=text.dataset_fingerprint,
+        tokens=text.tokens[:0],
+        context_id=text.context_id,
+        text=b"".join(data for _, data in pieces),
+        pieces=tuple(pieces),
+        fingerprint=_fingerprint(pieces),
+    )
+    return dataclasses.replace(cut, tokens=encode_documents(cut, tokenizer, specials))
 
 
 def xz_bits_per_byte(text: ValidationText) -> float:

@@ -68,7 +68,7 @@ NON_DEFAULT_FLAGS = {
     "keep_checkpoints": ["--keep-checkpoints", "4"],
     "log_every": ["--log-every", "3"],
     "eval_every": ["--eval-every", "6"],
-    "eval_blocks": ["--eval-blocks", "16"],
+    "eval_bytes": ["--eval-bytes", "16000"],
     "max_time_s": ["--max-time-s", "60"],
 }
 

@@ -192,7 +192,7 @@ def test_the_pruner_stops_a_weak_trial_before_its_last_step(world: tuple) -> Non
             "max_steps": steps,
             "checkpoint_every": 100,
             "eval_every": 2,
-            "eval_blocks": 4,
+            "eval_bytes": 512,
         },
         # The grid draws 0.003 first (sampler seed 0), then a learning rate that cannot learn.
         "space": {"lr": {"choices": [1e-7, 0.003]}},

@@ -135,7 +135,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "process_group_timeout_min": 5.0,
     "stop_grace_s": 30,
     "eval_every": 2,
-    "eval_blocks": 8,
+    "eval_bytes": 4096,
 }
 
 

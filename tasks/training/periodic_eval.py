@@ -1,11 +1,14 @@
-"""Validation bits per byte during training: a fixed subset of held-out blocks, every `eval_every` steps.
+"""Validation bits per byte during training: a fixed piece of held-out text, every `eval_every` steps.
 
-The score is evaluation's own: the validation text (`tasks.scoring`) cut to its first `eval_blocks` blocks,
-scored by the same function (`loss.score_text`), on the training module's current weights (eager, eval
+The piece is defined in bytes: the first `eval_bytes` bytes of the validation text (`tasks.scoring`), cut
+back to a character boundary and encoded with the run's tokenizer. Runs on the same data read the same
+documents in the same order whatever their tokenizer or seq_len, so they are scored on the same bytes, and
+their bits per byte compare: sweep trials that vary `vocab_size` or `seq_len` are pruned on the same text.
+The scorer is evaluation's own (`loss.score_text`), on the training module's current weights (eager, eval
 mode, no gradients). It draws no random numbers and touches no parameter or optimizer state, so training
-runs the same with it on or off. Its values join the step's metrics (`val_subset/...`, with the seconds it took), which reach
-`metrics.jsonl` and the metric sink; a sweep prunes on them. The final evaluation still scores
-`eval_max_blocks` (every block by default); the subset's number ranks runs, it is not that number.
+runs the same with it on or off. Its values join the step's metrics (`val_subset/...`, with the seconds it
+took), which reach `metrics.jsonl` and the metric sink; a sweep prunes on them. The final evaluation still
+scores `eval_max_blocks` (every block by default); the subset's number ranks runs, it is not that number.
 
 Every rank scores the same text (an FSDP2 module's forward is collective); the main rank logs it.
 """
@@ -16,11 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
 from tasks.data.packed import read_meta
 from tasks.refs import DatasetRef, TokenizerRef
-from tasks.scoring import validation_text
+from tasks.scoring import ValidationText, first_bytes, validation_text
+from tasks.training.errors import TrainingInputError
 from tasks.training.loss import score_text
 from tasks.training.settings import TrainSettings
 
@@ -42,17 +47,37 @@ def dataset_tokenizer(dataset: DatasetRef) -> TokenizerRef:
     )
 
 
+def subset_text(dataset: DatasetRef, n_bytes: int) -> ValidationText:
+    """The first `n_bytes` bytes of `dataset`'s validation text, in its tokenizer's ids. Refused when the
+    split holds fewer: a run with another tokenizer or seq_len could not be scored on the same bytes."""
+    tokenizer = dataset_tokenizer(dataset)
+    blocks = -(-n_bytes // dataset.seq_len) + 1  # every token but BOS/EOS spells at least one byte
+    while True:
+        text = validation_text(dataset, tokenizer, min(blocks, dataset.val_blocks))
+        if len(text.text) >= n_bytes or blocks >= dataset.val_blocks:
+            break
+        blocks *= 2
+    if len(text.text) < n_bytes:
+        raise TrainingInputError(
+            f"eval_bytes={n_bytes}, but the validation text of {dataset.path} holds {len(text.text)} bytes: "
+            f"lower eval_bytes (at most {len(text.text)}), or give a larger validation split (val_fraction, "
+            "val_data)"
+        )
+    specials = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
+    return first_bytes(text, n_bytes, Tokenizer.from_file(tokenizer.path), specials)
+
+
 class PeriodicEval:
     """Scores the model every `every` optimizer steps; `after_step` returns the metrics to add (or none)."""
 
     def __init__(
-        self, dataset: DatasetRef, *, every: int, blocks: int, device: torch.device, dtype: str
+        self, dataset: DatasetRef, *, every: int, n_bytes: int, device: torch.device, dtype: str
     ) -> None:
         self.every = every
         self.seq_len = dataset.seq_len
         self.device = device
         self.dtype = dtype
-        self.text = validation_text(dataset, dataset_tokenizer(dataset), min(blocks, dataset.val_blocks))
+        self.text = subset_text(dataset, n_bytes)
 
     @classmethod
     def from_settings(
@@ -63,7 +88,7 @@ class PeriodicEval:
         return cls(
             dataset,
             every=settings.eval_every,
-            blocks=settings.eval_blocks,
+            n_bytes=settings.eval_bytes,
             device=device,
             dtype=settings.dtype,
         )

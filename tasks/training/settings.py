@@ -185,15 +185,28 @@ class TrainSettings(BaseModel):
     eval_every: MayChange[int] = Field(
         0,
         ge=0,
-        description="Optimizer steps between validation scores during training, on the first eval_blocks "
-        "held-out blocks (0 = off); logged as val_subset/bits_per_byte, what a sweep prunes on",
+        description="Optimizer steps between validation scores during training, on the first eval_bytes "
+        "bytes of the validation text (0 = off); logged as val_subset/bits_per_byte, what a sweep prunes on",
     )
-    eval_blocks: MayChange[int] = Field(
-        64, ge=1, description="eval_every: held-out blocks scored (the same ones each time)"
+    eval_bytes: MayChange[int] = Field(
+        32768,
+        ge=1,
+        description="eval_every: bytes of validation text scored, the first ones: the same text each time and "
+        "for every run on the same data, whatever its tokenizer or seq_len (sweep trials compare on it)",
     )
     max_time_s: MayChange[float | None] = Field(
         None, gt=0, description="Stop (after a checkpoint) once training ran this long"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values: object) -> object:
+        if isinstance(values, dict) and "eval_blocks" in values:
+            raise ValueError(
+                "eval_blocks is gone: the periodic score's text is counted in bytes now, the same for every "
+                "tokenizer and seq_len; set eval_bytes instead"
+            )
+        return values
 
     @model_validator(mode="after")
     def _check(self) -> TrainSettings:
