@@ -8,6 +8,7 @@ blocks, so each step sees the same data whatever the run), a constant learning r
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flows.pretrain_config import PretrainConfig
 from hf_checkpoint import save_hf_llama
 from model import get_preset
+from registry_world import one_thread
 from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from tasks.build import build_model
 from tasks.init_from import InitFromError, resolve_init_from
@@ -35,6 +38,12 @@ BLOCKS = 8
 settings = partial(
     eager_settings, micro_batch_size=4, accumulate_steps=2, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +104,10 @@ def test_a_child_with_the_parents_optimizer_state_takes_the_parents_next_step(
         resolve_init_from(str(checkpoints[2])), _config(), optimizer, tmp_path / "child"
     )
     assert found == str(checkpoints[2])  # a local parent's own checkpoint directory
+    # A run directory holding checkpoints resumes with its own optimizer state: nothing to carry over.
+    assert (
+        check_parent_optimizer(resolve_init_from(str(checkpoints[2])), _config(), optimizer, run_dir) is None
+    )
 
     one_step = settings(optimizer=optimizer, max_steps=1)
     carried = fit(_child(checkpoints[2], carry=True), dataset, one_step, tmp_path / "carried", progress=False)
@@ -159,3 +172,10 @@ def test_a_parent_without_optimizer_state_is_refused_naming_the_fix(
     bare = resolve_init_from(str(weights_only))
     with pytest.raises(InitFromError, match="has no usable optimizer state.*init_optimizer: false"):
         check_parent_optimizer(bare, _config(), optimizer, tmp_path / "b")
+
+
+def test_init_optimizer_needs_a_parent() -> None:
+    with pytest.raises(
+        ValueError, match="init_optimizer carries a parent's optimizer state over: it needs init_from"
+    ):
+        PretrainConfig(preset="tiny", init_optimizer=True)
