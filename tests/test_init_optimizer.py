@@ -143,12 +143,21 @@ def test_an_optimizer_state_that_does_not_fit_is_refused_before_any_step(
     ):
         check_parent_optimizer(parent, _config(128), optimizer, tmp_path / "b")
 
-    # In the engine, tensor by tensor, before the first step: nothing is trained or written.
-    for name, model, run in (
-        ("optimizer", _child(checkpoint, carry=True), settings(optimizer=other, max_steps=1)),
-        ("shape", _child(checkpoint, carry=True, vocab=128), settings(optimizer=optimizer, max_steps=1)),
+    # In the engine, tensor by tensor, before the first step: nothing is trained or written. Also a
+    # checkpoint that is not there on the machine that trains.
+    gone = _child(checkpoint, carry=True).model_copy(update={"optimizer_state": str(tmp_path / "elsewhere")})
+    fits = r"does not fit this run: .*init_optimizer: false"
+    for name, model, run, problem in (
+        ("optimizer", _child(checkpoint, carry=True), settings(optimizer=other, max_steps=1), fits),
+        (
+            "shape",
+            _child(checkpoint, carry=True, vocab=128),
+            settings(optimizer=optimizer, max_steps=1),
+            fits,
+        ),
+        ("gone", gone, settings(optimizer=optimizer, max_steps=1), r"holds no optimizer state here.*: false"),
     ):
-        with pytest.raises(TrainingInputError, match=r"does not fit this run: .*init_optimizer: false"):
+        with pytest.raises(TrainingInputError, match=problem):
             fit(model, dataset, run, tmp_path / name, progress=False)
         assert not checkpoint_dirs(tmp_path / name) and not read_metrics(tmp_path / name)
 

@@ -115,6 +115,12 @@ def state_differences(checkpoint: Path, model: nn.Module, optimizer: TrainOptimi
 def load_parent_optimizer_state(checkpoint: Path, model: nn.Module, optimizer: TrainOptimizer) -> None:
     """A new run's start with its parent's optimizer state (`init_optimizer`): checkpoint `checkpoint`'s
     moments and step counts, loaded like a resume's, after checking they fit (before any step)."""
+    if saved_state_shapes(checkpoint) is None:
+        raise TrainingInputError(
+            f"init_optimizer: {checkpoint} holds no optimizer state here (the parent's training checkpoint "
+            "must be on storage this machine reads): set init_optimizer: false to start with a new optimizer "
+            "state, or make the checkpoint readable here"
+        )
     problems = state_differences(checkpoint, model, optimizer)
     if problems:
         raise TrainingInputError(
