@@ -7,7 +7,8 @@ all of it) once (the first one after an EOS, as a document follows EOS in traini
 spell is the *validation text*: its UTF-8 bytes are counted exactly with a per-token byte table of the
 byte-level tokenizer (special tokens count 0 bytes), so bits per byte = summed loss in bits / those bytes. A model
 with another tokenizer is scored on the same text by encoding its documents with its own tokenizer
-(`tasks.evaluate.rescore`); xz compresses the same bytes.
+(`tasks.evaluate.rescore`); xz compresses the same bytes. The engine's periodic score takes the text's
+first N bytes (`first_bytes`): the same bytes whatever the tokenizer and block length that read them.
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ def _mlflow_checkpoint(parent: ParentRef, uri: str) -> Path:
     elif not here:
         seen = f"logged checkpoints that are not on this machine ({', '.join(map(str, candidates[:3]))})"
     else:
-        seen = "kept no checkpoint with its weights (the one it was registered from was removed)"
+        seen = (
+            "kept no checkpoint with its weights (they came from elsewhere, or that checkpoint was removed)"
+        )
     raise InitFromError(
         f"init_optimizer: {parent.pinned} came from {where}, which {seen}, so its optimizer state cannot be "
         f"found. Its optimizer state stays in the training checkpoint on the machine that trained it: {FIX}"
