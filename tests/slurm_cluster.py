@@ -148,8 +148,14 @@ def slurm_cluster(hosts: Cluster, *, cpus: int = 2, ready_s: float = 60) -> Iter
                 )
             )  # fmt: skip
         for name in names:
-            _wait_for(lambda n=name: (hosts.local_dir_of(n) / "munge" / "munge.socket").exists(), 20, "munged")
-        quiet = {"env": slurm.env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # logs: Slurm.log
+            _wait_for(
+                lambda n=name: (hosts.local_dir_of(n) / "munge" / "munge.socket").exists(), 20, "munged"
+            )
+        quiet = {
+            "env": slurm.env,
+            "stdout": subprocess.DEVNULL,
+            "stderr": subprocess.DEVNULL,
+        }  # logs: Slurm.log
         daemons.append(hosts[names[0]].popen(["slurmctld", "-D", "-i"], **quiet))
         for name in names:
             daemons.append(hosts[name].popen(["slurmd", "-D", "-N", name], **quiet))

@@ -1,0 +1,126 @@
+"""`python -m flows.slurm` without a cluster: the batch script it prints, the inputs it refuses before
+anything is written or submitted, and what the other nodes of a job do before node 0 is there
+(tasks/training/join.py). The job itself runs in tests/test_slurm_hosts.py."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.slurm.__main__ import main
+from flows.slurm.node import head_address
+from model import get_preset
+from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.training import TrainSettings
+from tasks.training.errors import TrainingInputError
+from tasks.training.join import announce_head, wait_for_head, wait_for_spec
+from tasks.training.launch import SPEC_FILE, WorkerSpec, write_worker_spec
+
+
+def _config(tmp_path: Path, **fields: object) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"preset": "tiny", "max_steps": 10, **fields}))
+    return path
+
+
+def test_the_script_runs_one_node_step_per_node_with_a_rank_per_gpu(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "shared" / "run"
+    config = _config(tmp_path, checkpoint_dir=str(run), model_name="m7")
+    assert main([str(config), "--nodes", "4", "--gpus-per-node", "8", "--sbatch=--time=1:00:00"]) == 0
+    script = capsys.readouterr().out
+    for directive in (
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--time=1:00:00",
+        "--job-name=m7",
+    ):
+        assert f"#SBATCH {directive}\n" in script, script
+    assert f"#SBATCH --output={run}/slurm-%j.out\n" in script
+    step = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in step and f"flows.slurm.node {config}" in step, step
+    assert f"--nnodes 4 --nproc-per-node 8 --checkpoint-dir {run}" in step, step
+    assert not run.exists()  # printing writes nothing
+
+
+@pytest.mark.parametrize(
+    ("args", "fields", "says"),
+    [
+        (["--nodes", "0"], {}, "--nodes 0: a job needs at least one node"),
+        ([], {"checkpoint_dir": None}, "a SLURM job needs checkpoint_dir"),
+        ([], {"checkpoint_dir": "runs/x"}, "is relative: give an absolute path on the shared file system"),
+        (
+            [],
+            {"checkpoint_dir": "/dev/shm/llamaflow-slurm-test"},
+            "on a tmpfs file system, which only this machine",
+        ),
+        ([], {"placement": "deployment"}, "set placement: local"),
+        ([], {"lr": -1.0}, "invalid configuration"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_submitted(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, args: list[str], fields: dict, says: str
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: a submission would fail differently
+    config = _config(tmp_path, **{"checkpoint_dir": str(tmp_path / "run"), **fields})
+    argv = [str(config), "--nodes", "2", "--gpus-per-node", "8", "--submit", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert not (tmp_path / "run").exists() and not Path("/dev/shm/llamaflow-slurm-test").exists()
+
+
+def test_submit_without_sbatch_names_the_fix(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    config = _config(tmp_path, checkpoint_dir=str(tmp_path / "run"))
+    assert main([str(config), "--nodes", "2", "--gpus-per-node", "8", "--submit"]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch, which is not on PATH" in err and "leave out --submit" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_node_that_never_sees_node_0_in_the_run_directory_stops_naming_shared_storage(
+    tmp_path: Path,
+) -> None:
+    announce_head(tmp_path / "elsewhere", "slurm-7")  # node 0's mark, in a directory node k does not see
+    with pytest.raises(TrainingInputError, match="file system every node mounts at the same path"):
+        wait_for_head(tmp_path / "run", "slurm-7", 0.5)
+    announce_head(tmp_path / "run", "slurm-6")  # an earlier job's mark is not this job's
+    with pytest.raises(TrainingInputError, match="node 0 of job slurm-7 did not announce itself"):
+        wait_for_head(tmp_path / "run", "slurm-7", 0.5)
+    announce_head(tmp_path / "run", "slurm-7")
+    wait_for_head(tmp_path / "run", "slurm-7", 0.5)
+
+
+def test_a_spec_left_by_an_earlier_job_is_not_taken(tmp_path: Path) -> None:
+    dataset = write_packed_dataset(
+        tmp_path / "p", pattern_blocks(4, 8, 32, 0), pattern_blocks(2, 8, 32, 1), vocab_size=32
+    )
+    model = model_ref(get_preset("tiny", vocab_size=32, max_position_embeddings=8))
+
+    def spec(job: str) -> WorkerSpec:
+        settings = TrainSettings(max_steps=1, nnodes=2, rdzv_endpoint="198.18.0.1:29500", rdzv_id=job)
+        return WorkerSpec(
+            model_ref=model, dataset_ref=dataset, settings=settings, run_dir=str(tmp_path), progress=False
+        )
+
+    write_worker_spec(spec("slurm-6"))
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(wait_for_spec, tmp_path, "slurm-7")
+        with pytest.raises(TimeoutError):
+            waiting.result(timeout=1.5)
+        write_worker_spec(spec("slurm-7"))
+        assert waiting.result(timeout=10).settings.rdzv_id == "slurm-7"
+    assert json.loads((tmp_path / SPEC_FILE).read_text())["settings"]["rdzv_id"] == "slurm-7"
+
+
+def test_node_0_refuses_a_loopback_address_naming_llamaflow_node_addr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LLAMAFLOW_NODE_ADDR", "127.0.1.1")
+    with pytest.raises(TrainingInputError, match="set LLAMAFLOW_NODE_ADDR"):
+        head_address(["node1"])
