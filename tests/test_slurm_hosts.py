@@ -1,0 +1,121 @@
+"""Pretraining as a SLURM job on a 2-node cluster built on namespaced hosts (tests/slurm_cluster.py on
+tests/hosts.py): the command docs/production.md shows, run as it is shown (the harness has no GPUs: the one
+change is `--gpus-per-node 0`, CPU ranks). MLflow is a SQLite store on the shared directory: only node 0
+talks to MLflow, so no two hosts write it, and no server has to start (seconds the suite does not spend)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from hosts import Cluster, cluster_for_test
+from prefect_server import TINY_RUN
+from slurm_cluster import Slurm, slurm_cluster
+from stdlib_corpus import STDLIB
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "production.md"
+
+
+def doc_command() -> list[str]:
+    """The command of docs/production.md's SLURM section, as shown there."""
+    section = DOC.read_text().split("### SLURM (`python -m flows.slurm`)", 1)[1]
+    block = re.search(r"```bash\n(.*?)\n```", section, re.S)
+    assert block is not None, "docs/production.md's SLURM section lost its command"
+    return shlex.split(block.group(1))
+
+
+def _config(hosts: Cluster, name: str) -> dict[str, object]:
+    return {
+        **TINY_RUN,
+        "model_name": name,
+        "max_steps": 120,
+        "checkpoint_every": 5,
+        "dtype": "fp32",
+        "data": str(STDLIB / "email" / "*.py"),
+        "val_data": str(STDLIB / "json" / "*.py"),
+        "nproc_per_node": 1,
+        "checkpoint_dir": str(hosts.shared / "run"),
+        "rdzv_timeout_s": 180,
+        "stop_grace_s": 20,  # below KillWait (30 s): scancel's SIGKILL comes after the stop checkpoint
+        "process_group_timeout_min": 3,
+    }
+
+
+def _submit(slurm: Slurm, command: list[str], env: dict[str, str], cwd: Path) -> str:
+    done = slurm.hosts["head"].run(command, env=env, cwd=cwd, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    match = re.search(r"submitted job (\d+)", done.stdout)
+    assert match, done.stdout + done.stderr
+    return match.group(1)
+
+
+def _job_log(run: Path, job: str) -> str:
+    path = run / f"slurm-{job}.out"
+    return path.read_text(errors="replace")[-6000:] if path.exists() else f"(no {path})"
+
+
+def _checkpoints(run: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in run.glob("step_*") if (p / "manifest.json").exists())
+
+
+@pytest.mark.e2e
+def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(tmp_path: Path) -> None:
+    command = doc_command()
+    assert command[:3] == ["python", "-m", "flows.slurm"] and "--submit" in command, command
+    command[0] = sys.executable
+    command[command.index("--gpus-per-node") + 1] = "0"
+    name = f"slurm-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    with cluster_for_test(tmp_path, ["head", "node1"]) as hosts, slurm_cluster(hosts) as slurm:
+        work = hosts.shared / "work"
+        work.mkdir()
+        (work / command[3]).write_text(yaml.safe_dump(_config(hosts, name)))
+        uri = f"sqlite:///{hosts.shared / 'mlflow.db'}"
+        env = {
+            **{k: v for k, v in slurm.env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
+            "PYTHONPATH": str(REPO),
+            "LLAMAFLOW_HOME": str(hosts.shared / "home"),
+            "MLFLOW_TRACKING_URI": uri,
+        }
+        run = hosts.shared / "run"
+        first = _submit(slurm, command, env, work)
+        deadline = time.monotonic() + 400
+        while not _checkpoints(run):
+            state = slurm.job_state(first)
+            assert state in {"PENDING", "RUNNING"} and time.monotonic() < deadline, (
+                state,
+                _job_log(run, first),
+            )
+            time.sleep(0.5)
+        done = slurm.client(["scancel", first])
+        assert done.returncode == 0, done.stderr
+        assert slurm.wait(first, {"CANCELLED"}, 60) == "CANCELLED"
+        cancelled_at = max(_checkpoints(run))
+        assert cancelled_at < 120, _job_log(run, first)
+
+        second = _submit(slurm, command, env, work)
+        state = slurm.wait(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 600)
+        log = _job_log(run, second)
+        assert state == "COMPLETED", log
+        print(f"SLURM cancel + resubmission: {time.monotonic() - started:.0f} s")
+
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [e["event"] for e in events if "resumed_from" in e.get("event", {})]
+    assert resumed and resumed[-1]["step"] >= cancelled_at > 0, (resumed, cancelled_at, log)
+    assert "node 1: trained to step 120" in log, log  # node 1 ran on the other host, with node 0's endpoint
+    client = MlflowClient(uri)
+    versions = client.search_model_versions(f"name='{name}'")
+    assert [str(v.version) for v in versions] == ["1"], versions
+    run_id = versions[0].run_id
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 121)), steps  # one MLflow run across both jobs, no step twice
