@@ -35,6 +35,7 @@ def test_the_script_runs_one_node_step_per_node_with_a_rank_per_gpu(tmp_path: Pa
     for directive in (
         "--nodes=4",
         "--ntasks-per-node=1",
+        "--exclusive",
         "--gpus-per-node=8",
         "--time=1:00:00",
         "--job-name=m7",

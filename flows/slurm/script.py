@@ -105,6 +105,9 @@ def render(job: SlurmJob) -> str:
         f"--job-name={job.config.model_name}",
         f"--nodes={job.nodes}",
         "--ntasks-per-node=1",
+        # Whole nodes: otherwise the one task per node is allocated one CPU, and under task/cgroup its
+        # torchrun, ranks and data loading would all be confined to it.
+        "--exclusive",
         *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
         f"--output={job.run_dir}/slurm-%j.out",
         "--open-mode=append",
