@@ -30,6 +30,8 @@ from hosts import Cluster, HostsUnavailable
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 CTLD_PORT, SLURMD_PORT = 6817, 6818
+# scancel's SIGKILL this long after its SIGTERM (Slurm's default: 30 s); a test job's stop_grace_s stays below.
+KILL_WAIT_S = 10
 
 
 @dataclass
@@ -103,7 +105,7 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SlurmdParameters=config_overrides
 ReturnToService=2
-KillWait=30
+KillWait={KILL_WAIT_S}
 StateSaveLocation={local}/slurm/ctld
 SlurmdSpoolDir={local}/slurm/spool
 SlurmctldPidFile={local}/slurm/slurmctld.pid

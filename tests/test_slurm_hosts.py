@@ -19,8 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from hosts import Cluster, cluster_for_test
 from prefect_server import TINY_RUN
-from slurm_cluster import Slurm, slurm_cluster
+from slurm_cluster import KILL_WAIT_S, Slurm, slurm_cluster
 from stdlib_corpus import STDLIB
+from tasks.training.checkpoint import load_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "production.md"
@@ -46,7 +47,7 @@ def _config(hosts: Cluster, name: str) -> dict[str, object]:
         "nproc_per_node": 1,
         "checkpoint_dir": str(hosts.shared / "run"),
         "rdzv_timeout_s": 180,
-        "stop_grace_s": 20,  # below KillWait (30 s): scancel's SIGKILL comes after the stop checkpoint
+        "stop_grace_s": KILL_WAIT_S - 2,  # scancel's SIGKILL comes after the stop checkpoint
         "process_group_timeout_min": 3,
     }
 
@@ -90,6 +91,7 @@ def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(tmp_
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         }
         run = hosts.shared / "run"
+        print(f"PHASE cluster up {time.monotonic() - started:.0f} s")
         first = _submit(slurm, command, env, work)
         deadline = time.monotonic() + 400
         while not _checkpoints(run):
@@ -99,12 +101,17 @@ def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(tmp_
                 _job_log(run, first),
             )
             time.sleep(0.5)
+        print(f"PHASE first checkpoint {time.monotonic() - started:.0f} s")
         done = slurm.client(["scancel", first])
         assert done.returncode == 0, done.stderr
         assert slurm.wait(first, {"CANCELLED"}, 60) == "CANCELLED"
         cancelled_at = max(_checkpoints(run))
         assert cancelled_at < 60, _job_log(run, first)
+        # scancel's SIGTERM reaches each rank twice (from SLURM and from torchrun): still one stop request
+        summary = load_trainer_state(run / f"step_{cancelled_at:06d}")["summary"]
+        assert summary["stopped_early"] == 1.0, (summary, _job_log(run, first))
 
+        print(f"PHASE cancelled {time.monotonic() - started:.0f} s")
         second = _submit(slurm, command, env, work)
         state = slurm.wait(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 600)
         log = _job_log(run, second)

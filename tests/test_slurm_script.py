@@ -5,6 +5,8 @@ anything is written or submitted, and what the other nodes of a job do before no
 from __future__ import annotations
 
 import json
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from flows.slurm.node import head_address
 from model import get_preset
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.training import TrainSettings
+from tasks.training.control import StopSignals
 from tasks.training.errors import TrainingInputError
 from tasks.training.join import announce_head, wait_for_head, wait_for_spec
 from tasks.training.launch import SPEC_FILE, WorkerSpec, write_worker_spec
@@ -125,3 +128,18 @@ def test_node_0_refuses_a_loopback_address_naming_llamaflow_node_addr(
     monkeypatch.setenv("LLAMAFLOW_NODE_ADDR", "127.0.1.1")
     with pytest.raises(TrainingInputError, match="set LLAMAFLOW_NODE_ADDR"):
         head_address(["node1"])
+
+
+def test_sigterm_from_slurm_and_torchrun_at_once_is_one_stop_request_but_ctrl_c_twice_is_not() -> None:
+    signals = StopSignals()
+    try:
+        with signals.installed():
+            os.kill(os.getpid(), signal.SIGTERM)  # scancel: SLURM signals every process of the job ...
+            os.kill(os.getpid(), signal.SIGTERM)  # ... and torchrun forwards its own copy to its workers
+    except KeyboardInterrupt as err:  # not raised on: it would end the whole pytest session
+        pytest.fail(f"one scancel was taken for two stop requests: {err}")
+    assert signals.received == "SIGTERM"
+    signals = StopSignals()
+    with signals.installed(), pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,17 +34,25 @@ class CompileWatch:
 class StopSignals:
     """SIGINT/SIGTERM set a flag checked after each step (handlers can only be installed in the main thread)."""
 
+    # SIGTERMs this close to the first are the same request arriving by several paths: a batch system
+    # signals every process of the job (SLURM's scancel, its time limit) and torchrun forwards its own copy.
+    SAME_REQUEST_S = 2.0
+
     def __init__(self) -> None:
         self.received: str | None = None
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        echo = signum == signal.SIGTERM and now - self._first_at < self.SAME_REQUEST_S
         # The same signal twice (Ctrl-C, Ctrl-C) means: do not wait for the step. A different one is
         # usually a launcher forwarding the first (torchrun turns a terminal's SIGINT into SIGTERM).
-        if self.received == name:
+        if self.received == name and not echo:
             raise KeyboardInterrupt(f"second {name}: stopping without a checkpoint")
-        self.received = self.received or name
+        if self.received is None:
+            self.received, self._first_at = name, now
 
     @contextmanager
     def installed(self) -> Iterator[StopSignals]:
