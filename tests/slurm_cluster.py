@@ -32,6 +32,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeu
 CTLD_PORT, SLURMD_PORT = 6817, 6818
 # scancel's SIGKILL this long after its SIGTERM (Slurm's default: 30 s); a test job's stop_grace_s stays below.
 KILL_WAIT_S = 10
+PARTITION = "main"
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Slurm:
             time.sleep(0.5)
         raise TimeoutError(f"job {job} still {state or 'unknown'} after {timeout:.0f} s (waited for {until})")
 
+    def open_partition(self) -> None:
+        done = self.client(["scontrol", "update", f"PartitionName={PARTITION}", "State=UP"])
+        assert done.returncode == 0, done.stdout + done.stderr
+
     def log(self, host: str, daemon: str) -> str:
         path = self.hosts.local_dir_of(host) / "slurm" / f"{daemon}.log"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -80,7 +85,7 @@ def check_available() -> None:
         )
 
 
-def _conf(hosts: Cluster, cpus: int) -> str:
+def _conf(hosts: Cluster, cpus: int, partition: str) -> str:
     local = hosts.local
     names = list(hosts.hosts)
     head = hosts[names[0]]
@@ -105,6 +110,8 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SlurmdParameters=config_overrides
 ReturnToService=2
+# The main scheduling loop every 2 s (default 60 s): a job waiting for an opened partition starts at once.
+SchedulerParameters=sched_interval=2
 KillWait={KILL_WAIT_S}
 StateSaveLocation={local}/slurm/ctld
 SlurmdSpoolDir={local}/slurm/spool
@@ -114,13 +121,17 @@ SlurmctldLogFile={local}/slurm/slurmctld.log
 SlurmdLogFile={local}/slurm/slurmd.log
 SlurmctldPort={CTLD_PORT}
 SlurmdPort={SLURMD_PORT}
-{nodes}PartitionName=main Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName={PARTITION} Nodes={",".join(names)} Default=YES MaxTime=INFINITE State={partition}
 """
 
 
 @contextlib.contextmanager
-def slurm_cluster(hosts: Cluster, *, cpus: int = 2, ready_s: float = 60) -> Iterator[Slurm]:
-    """A SLURM cluster on `hosts` (the first host runs slurmctld), every node idle before it is yielded."""
+def slurm_cluster(
+    hosts: Cluster, *, cpus: int = 2, ready_s: float = 60, partition_up: bool = True
+) -> Iterator[Slurm]:
+    """A SLURM cluster on `hosts` (the first host runs slurmctld), every node idle before it is yielded.
+    `partition_up=False`: jobs are queued but none starts before `Slurm.open_partition()` (a test can submit
+    while a server its jobs need is still starting)."""
     check_available()
     root = hosts.shared / "slurm"
     root.mkdir(parents=True, exist_ok=True)
@@ -128,7 +139,7 @@ def slurm_cluster(hosts: Cluster, *, cpus: int = 2, ready_s: float = 60) -> Iter
     key.write_bytes(secrets.token_bytes(1024))
     key.chmod(0o400)
     conf = root / "slurm.conf"
-    conf.write_text(_conf(hosts, cpus))
+    conf.write_text(_conf(hosts, cpus, "UP" if partition_up else "DOWN"))
     # slurmd initialises a cgroup plugin even when no plugin uses it; its autodetection fails inside a
     # host (`ip netns exec` mounts a fresh /sys, without /sys/fs/cgroup), so name the version outright.
     (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")

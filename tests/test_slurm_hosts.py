@@ -1,16 +1,22 @@
 """Pretraining as a SLURM job on a 2-node cluster built on namespaced hosts (tests/slurm_cluster.py on
 tests/hosts.py): the command docs/production.md shows, run as it is shown (the harness has no GPUs: the one
 change is `--gpus-per-node 0`, CPU ranks). MLflow is a SQLite store on the shared directory: only node 0
-talks to MLflow, so no two hosts write it, and no server has to start (seconds the suite does not spend)."""
+talks to MLflow, so no two hosts write it, and no MLflow server has to start (seconds the suite does not
+spend). Prefect is a server on the head host, started while SLURM starts: node 0's flow of each job would
+otherwise start and stop a temporary one (~20 s each on this machine)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,13 +24,14 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from hosts import Cluster, cluster_for_test
-from prefect_server import TINY_RUN
+from prefect_server import PREFECT_CLI, TINY_RUN, tail
 from slurm_cluster import KILL_WAIT_S, Slurm, slurm_cluster
 from stdlib_corpus import STDLIB
 from tasks.training.checkpoint import load_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "production.md"
+PREFECT_PORT = 4200
 
 
 def doc_command() -> list[str]:
@@ -77,52 +84,101 @@ def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(tmp_
     command[command.index("--gpus-per-node") + 1] = "0"
     name = f"slurm-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    with cluster_for_test(tmp_path, ["head", "node1"]) as hosts, slurm_cluster(hosts) as slurm:
-        work = hosts.shared / "work"
-        work.mkdir()
-        (work / command[3]).write_text(yaml.safe_dump(_config(hosts, name)))
-        uri = f"sqlite:///{hosts.shared / 'mlflow.db'}"
-        env = {
-            **{k: v for k, v in slurm.env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
-            "PYTHONPATH": str(REPO),
-            "LLAMAFLOW_HOME": str(hosts.shared / "home"),
-            "MLFLOW_TRACKING_URI": uri,
-            # node 0's flow starts Prefect's temporary server, slow on a machine busy with both hosts
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        }
-        run = hosts.shared / "run"
-        print(f"PHASE cluster up {time.monotonic() - started:.0f} s")
-        first = _submit(slurm, command, env, work)
-        deadline = time.monotonic() + 400
-        while not _checkpoints(run):
-            state = slurm.job_state(first)
-            assert state in {"PENDING", "RUNNING"} and time.monotonic() < deadline, (
-                state,
-                _job_log(run, first),
-            )
-            time.sleep(0.5)
-        print(f"PHASE first checkpoint {time.monotonic() - started:.0f} s")
-        done = slurm.client(["scancel", first])
-        assert done.returncode == 0, done.stderr
-        assert slurm.wait(first, {"CANCELLED"}, 60) == "CANCELLED"
-        cancelled_at = max(_checkpoints(run))
-        assert cancelled_at < 60, _job_log(run, first)
-        # scancel's SIGTERM reaches each rank twice (from SLURM and from torchrun): still one stop request
-        summary = load_trainer_state(run / f"step_{cancelled_at:06d}")["summary"]
-        assert summary["stopped_early"] == 1.0, (summary, _job_log(run, first))
+    with cluster_for_test(tmp_path, ["head", "node1"]) as hosts:
+        api_url = _start_prefect_server(hosts, tmp_path / "prefect-server.log")  # while SLURM starts
+        with slurm_cluster(hosts, partition_up=False) as slurm:
+            ready = functools.partial(_wait_healthy, hosts, api_url, tmp_path / "prefect-server.log")
+            run, log, cancelled_at = _cancel_and_resubmit(hosts, slurm, command, name, api_url, ready)
+            print(f"SLURM cancel + resubmission: {time.monotonic() - started:.0f} s")
+    _check_outcome(hosts, run, log, cancelled_at, name)
 
-        print(f"PHASE cancelled {time.monotonic() - started:.0f} s")
-        second = _submit(slurm, command, env, work)
-        state = slurm.wait(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 600)
-        log = _job_log(run, second)
-        assert state == "COMPLETED", log
-        print(f"SLURM cancel + resubmission: {time.monotonic() - started:.0f} s")
 
+def _start_prefect_server(hosts: Cluster, log: Path) -> str:
+    """A Prefect server on the head host (node 0 of the job runs there and talks to it): one server for both
+    jobs instead of a temporary one each. The hosts' teardown stops it."""
+    head = hosts["head"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    head.popen(
+        [PREFECT_CLI, "server", "start", "--host", head.address, "--port", str(PREFECT_PORT), "--analytics-off",
+         "--no-services", "--no-ui"],  # flow runs started by hand need neither
+        env={**env, "PREFECT_HOME": str(hosts.local / "prefect-server")},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return f"http://{head.address}:{PREFECT_PORT}/api"
+
+
+def _wait_healthy(hosts: Cluster, api_url: str, log: Path) -> None:
+    probe = (
+        "import sys, time, urllib.request\n"
+        "for _ in range(600):\n"
+        "    try:\n"
+        "        urllib.request.urlopen(sys.argv[1] + '/health', timeout=2).close(); sys.exit(0)\n"
+        "    except OSError:\n"
+        "        time.sleep(0.3)\n"
+        "sys.exit(1)\n"
+    )
+    done = hosts["head"].run([sys.executable, "-c", probe, api_url], timeout=300)
+    assert done.returncode == 0, f"the Prefect server on the head never answered:\n{tail(log)}"
+
+
+def _cancel_and_resubmit(
+    hosts: Cluster,
+    slurm: Slurm,
+    command: list[str],
+    name: str,
+    api_url: str,
+    server_ready: Callable[[], None],
+) -> tuple[Path, str, int]:
+    work = hosts.shared / "work"
+    work.mkdir()
+    (work / command[3]).write_text(yaml.safe_dump(_config(hosts, name)))
+    env = {
+        **{k: v for k, v in slurm.env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
+        "PYTHONPATH": str(REPO),
+        "LLAMAFLOW_HOME": str(hosts.shared / "home"),
+        "MLFLOW_TRACKING_URI": _mlflow_uri(hosts),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_HOME": str(hosts.local / "prefect"),
+    }
+    run = hosts.shared / "run"
+    started = time.monotonic()
+    first = _submit(slurm, command, env, work)  # queued while the Prefect server starts
+    server_ready()
+    slurm.open_partition()
+    deadline = time.monotonic() + 400
+    while not _checkpoints(run):
+        state = slurm.job_state(first)
+        assert state in {"PENDING", "RUNNING"} and time.monotonic() < deadline, (state, _job_log(run, first))
+        time.sleep(0.5)
+    print(f"first checkpoint {time.monotonic() - started:.0f} s after the first submission")
+    done = slurm.client(["scancel", first])
+    assert done.returncode == 0, done.stderr
+    assert slurm.wait(first, {"CANCELLED"}, 60) == "CANCELLED"
+    cancelled_at = max(_checkpoints(run))
+    assert cancelled_at < 60, _job_log(run, first)
+    # scancel's SIGTERM reaches each rank twice (from SLURM and from torchrun): still one stop request
+    summary = load_trainer_state(run / f"step_{cancelled_at:06d}")["summary"]
+    assert summary["stopped_early"] == 1.0, (summary, _job_log(run, first))
+    print(f"cancelled {time.monotonic() - started:.0f} s after the first submission")
+
+    second = _submit(slurm, command, env, work)
+    state = slurm.wait(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 600)
+    log = _job_log(run, second)
+    assert state == "COMPLETED", log
+    return run, log, cancelled_at
+
+
+def _mlflow_uri(hosts: Cluster) -> str:
+    return f"sqlite:///{hosts.shared / 'mlflow.db'}"
+
+
+def _check_outcome(hosts: Cluster, run: Path, log: str, cancelled_at: int, name: str) -> None:
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [e["event"] for e in events if "resumed_from" in e.get("event", {})]
-    assert resumed and resumed[-1]["step"] >= cancelled_at > 0, (resumed, cancelled_at, log)
+    assert resumed and resumed[-1]["step"] == cancelled_at > 0, (resumed, cancelled_at, log)
     assert "node 1: trained to step 60" in log, log  # node 1 ran on the other host, with node 0's endpoint
-    client = MlflowClient(uri)
+    client = MlflowClient(_mlflow_uri(hosts))
     versions = client.search_model_versions(f"name='{name}'")
     assert [str(v.version) for v in versions] == ["1"], versions
     run_id = versions[0].run_id
