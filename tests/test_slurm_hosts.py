@@ -32,6 +32,7 @@ from tasks.training.checkpoint import load_trainer_state
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "production.md"
 PREFECT_PORT = 4200
+STEPS = 40  # the first job is cancelled after its first checkpoint (step 5), a few steps later
 
 
 def doc_command() -> list[str]:
@@ -46,7 +47,7 @@ def _config(hosts: Cluster, name: str) -> dict[str, object]:
     return {
         **TINY_RUN,
         "model_name": name,
-        "max_steps": 60,
+        "max_steps": STEPS,
         "checkpoint_every": 5,
         "dtype": "fp32",
         "data": str(STDLIB / "email" / "*.py"),
@@ -156,7 +157,7 @@ def _cancel_and_resubmit(
     assert done.returncode == 0, done.stderr
     assert slurm.wait(first, {"CANCELLED"}, 60) == "CANCELLED"
     cancelled_at = max(_checkpoints(run))
-    assert cancelled_at < 60, _job_log(run, first)
+    assert cancelled_at < STEPS, _job_log(run, first)
     # scancel's SIGTERM reaches each rank twice (from SLURM and from torchrun): still one stop request
     summary = load_trainer_state(run / f"step_{cancelled_at:06d}")["summary"]
     assert summary["stopped_early"] == 1.0, (summary, _job_log(run, first))
@@ -177,10 +178,11 @@ def _check_outcome(hosts: Cluster, run: Path, log: str, cancelled_at: int, name:
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [e["event"] for e in events if "resumed_from" in e.get("event", {})]
     assert resumed and resumed[-1]["step"] == cancelled_at > 0, (resumed, cancelled_at, log)
-    assert "node 1: trained to step 60" in log, log  # node 1 ran on the other host, with node 0's endpoint
+    # node 1 ran on the other host, with node 0's endpoint
+    assert f"node 1: trained to step {STEPS}" in log, log
     client = MlflowClient(_mlflow_uri(hosts))
     versions = client.search_model_versions(f"name='{name}'")
     assert [str(v.version) for v in versions] == ["1"], versions
     run_id = versions[0].run_id
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, 61)), steps  # one MLflow run across both jobs, no step twice
+    assert sorted(steps) == list(range(1, STEPS + 1)), steps  # one MLflow run across both jobs, no step twice
