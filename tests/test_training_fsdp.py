@@ -1,8 +1,8 @@
 """FSDP2 (`data_parallel="fsdp"`) through `fit` and real torchrun/gloo ranks: it trains as one process with
 the same global batch, its sharded checkpoints resume bit for bit at the same shape and exactly at any other
 world size or mode (2 FSDP ranks -> 1 process; -> 2 DDP ranks -> 3 FSDP ranks with activation
-checkpointing), its model.safetensors is what a one-process run writes, and it reduces gradients once per
-optimizer step."""
+checkpointing), its model.safetensors is what a one-process run writes, and it reduces gradients every
+micro-batch (or once per optimizer step)."""
 
 from __future__ import annotations
 
@@ -145,12 +145,19 @@ def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
     assert_same_curves(chain, single.run_dir, range(3, 7))
 
 
-def test_fsdp_reduces_gradients_once_per_optimizer_step(
-    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("sync", "reductions_per_step"), [("every_micro_batch", 6), ("last_micro_batch", 1)])
+def test_fsdp_reduces_gradients_every_micro_batch_or_once_per_optimizer_step(
+    tmp_path: Path,
+    dataset: DatasetRef,
+    tiny: ModelRef,
+    monkeypatch: pytest.MonkeyPatch,
+    sync: str,
+    reductions_per_step: int,
 ) -> None:
-    """set_requires_gradient_sync(False) on every micro-batch but the last (FSDP2 has no no_sync): each
-    sharded gradient is reduced once per optimizer step, not once per micro-batch (a one-process gloo
-    group: the engine applies FSDP2 whenever it runs in a process group, as under torchrun)."""
+    """By default each micro-batch's gradients are reduce-scattered into the sharded ones (no unsharded
+    gradient kept between micro-batches); with fsdp_gradient_sync=last_micro_batch, set_requires_gradient_sync
+    (False) on every micro-batch but the last (FSDP2 has no no_sync) reduces them once per optimizer step (a
+    one-process gloo group: the engine applies FSDP2 whenever it runs in a process group, as under torchrun)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -180,12 +187,12 @@ def test_fsdp_reduces_gradients_once_per_optimizer_step(
     handle = register_optimizer_step_pre_hook(step_marker)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        run = run_settings(1, max_steps=2, checkpoint_every=0)  # 6 micro-batches per step
+        run = run_settings(1, max_steps=2, checkpoint_every=0, fsdp_gradient_sync=sync)  # 6 micro-batches
         run_process(tiny, dataset, run, tmp_path / "run", progress=False)
     finally:
         dist.destroy_process_group()
         handle.remove()
-    assert per_step == [{1}, {1}]
+    assert per_step == [{reductions_per_step}, {reductions_per_step}]
 
 
 def test_activation_checkpointing_recomputes_each_block_and_trains_exactly_as_without_it(

@@ -8,8 +8,8 @@ whole state dict). The loop never asks which.
   fsdp  FSDP2 as torchtitan applies it: the model built on the meta device, `fully_shard` on each decoder
         block then the root, materialised shard by shard; every rank reads only its own shards of the
         initial weights (DCP's safetensors reader), before compilation. Parameters, gradients and optimizer
-        state are sharded; gradients are reduce-scattered as plain SUMS once per optimizer step (the loop
-        divides by the global token count: no AVG reduction, which gloo has been reported to get wrong
+        state are sharded; gradients are reduce-scattered as plain SUMS after every micro-batch (once per
+        optimizer step with `fsdp_gradient_sync: last_micro_batch`; the loop divides by the global token count: no AVG reduction, which gloo has been reported to get wrong
         under FSDP2, pytorch issue 162338). On CUDA with bf16, `MixedPrecisionPolicy` gathers bf16
         parameters and reduces in fp32.
 
@@ -77,6 +77,7 @@ class Parallel:
     plain: nn.Module  # the original module: names, parameters (this rank's DTensor shards under fsdp)
     world_size: int
     ddp: DistributedDataParallel | None = None
+    fsdp_sync_every_micro_batch: bool = True
 
     @property
     def gradient_divisor(self) -> int:
@@ -85,11 +86,13 @@ class Parallel:
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
-        """Forward and backward of one micro-batch; gradients are reduced over ranks only after the last
-        one of an optimizer step (DDP's no_sync; FSDP2's set_requires_gradient_sync)."""
+        """Forward and backward of one micro-batch. DDP all-reduces after the last one of an optimizer step
+        only (no_sync before). FSDP2 reduce-scatters every micro-batch's gradients and adds them to the
+        sharded ones by default; with `fsdp_gradient_sync: last_micro_batch` it keeps the unsharded
+        gradients until the last (set_requires_gradient_sync)."""
         if self.mode == "fsdp":
             assert isinstance(self.plain, FSDPModule)
-            self.plain.set_requires_gradient_sync(last)
+            self.plain.set_requires_gradient_sync(last or self.fsdp_sync_every_micro_batch)
         sync = self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()
         with sync:
             yield
@@ -142,7 +145,10 @@ def parallelize(
         # DDP first, then compile: DDPOptimizer splits the graph at bucket boundaries, so each bucket's
         # all-reduce overlaps the rest of the backward pass.
         model = torch.compile(model, dynamic=False)
-    return Parallel(mode=mode, model=model, plain=plain, world_size=world, ddp=ddp)
+    every = settings.fsdp_gradient_sync == "every_micro_batch"
+    return Parallel(
+        mode=mode, model=model, plain=plain, world_size=world, ddp=ddp, fsdp_sync_every_micro_batch=every
+    )
 
 
 def _wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:

@@ -121,6 +121,13 @@ class TrainSettings(BaseModel):
         "optimizer state) or fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder "
         "block; checkpoints written by every rank). One process trains the plain module either way",
     )
+    fsdp_gradient_sync: MayChange[Literal["every_micro_batch", "last_micro_batch"]] = Field(
+        "every_micro_batch",
+        description="fsdp with accumulate_steps > 1: every_micro_batch reduce-scatters each micro-batch's "
+        "gradients into the sharded ones (each rank keeps 1/ranks of the gradients); last_micro_batch keeps "
+        "every block's unsharded fp32 gradient until the step's last micro-batch (one reduce-scatter per step, "
+        "4 more bytes per parameter on every rank)",
+    )
     activation_checkpointing: MayChange[Literal["none", "full"]] = Field(
         "none",
         description="full: recompute each decoder block's activations in the backward pass (less memory, "
