@@ -19,9 +19,10 @@ from model import get_preset
 from synthetic import eager_settings, pattern_blocks, write_packed_dataset
 from synthetic import model_ref as build_model_ref
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, read_metrics
+from tasks.training import TrainingError, TrainingInterrupted, TrainSettings, fit, precision, read_metrics
+from tasks.training import checkpoint as ckpt
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem, sha256_file
-from tasks.training.resume import settings_differences
+from tasks.training.resume import precision_differences, settings_differences
 from tasks.training.settings import OnResume, resume_rules
 
 VOCAB = 96
@@ -127,6 +128,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "max_time_s": 3600.0,
     "data_parallel": "fsdp",
     "activation_checkpointing": "full",
+    "fsdp_gradient_sync": "last_micro_batch",
     "max_restarts": 2,
     "rdzv_endpoint": "127.0.0.1:29400",
     "rdzv_id": "another-job",
@@ -283,6 +285,33 @@ def test_a_resume_that_keeps_the_run_is_allowed_and_continues_it(
     b = load_file(str(reference / "step_000008" / "model.safetensors"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_resume_between_the_two_bf16_recipes_is_refused_naming_the_fix(
+    tmp_path: Path, stopped: Path, dataset: DatasetRef, model_ref: ModelRef
+) -> None:
+    """A checkpoint of FSDP2 under bf16 on CUDA (bf16 parameters and residual stream) resumed by DDP or
+    one process (autocast over fp32 weights) would switch numerical recipe mid-run: refused before any
+    step, naming the ways out. The checkpoint is the CPU run's with the recipe a CUDA FSDP2 run records."""
+    assert ckpt.load_trainer_state(stopped / "step_000004")["run"]["precision"] == precision.FP32
+    run_dir = copy_of(stopped, tmp_path)
+    step4 = run_dir / "step_000004"
+    state = ckpt.load_trainer_state(step4)
+    state["run"]["precision"] = precision.precision_recipe("fsdp", "cuda", "bf16")
+    torch.save(state, step4 / ckpt.STATE_FILE)
+    (step4 / ckpt.MANIFEST_FILE).unlink()
+    ckpt.write_manifest(step4, 4)
+    with pytest.raises(TrainingError, match=r"cannot resume .*step_000004") as info:
+        fit(model_ref, dataset, settings(dtype="bf16"), run_dir, progress=False)
+    message = str(info.value)
+    assert f"checkpoint trained with {precision.BF16_FSDP_PARAMS}" in message
+    assert f"this run would train with {precision.BF16_AUTOCAST}" in message
+    assert "data_parallel" in message and "dtype fp32" in message and "init_from" in message
+    assert max(read_metrics(run_dir)) == 4
+    # fp32 <-> bf16 is a change of dtype, free as before; on CPU FSDP2 and DDP share autocast's recipe.
+    assert precision_differences(precision.BF16_FSDP_PARAMS, precision.FP32) == []
+    cpu = {precision.precision_recipe(mode, "cpu", "bf16") for mode in ("none", "ddp", "fsdp")}
+    assert cpu == {precision.BF16_AUTOCAST}
 
 
 # ---------------------------------------------------------------- pruning (issue 12, item 11)

@@ -28,9 +28,9 @@ from tasks.training.loop import TrainLoop, checkpoint_ref
 from tasks.training.metrics import JsonlMetrics, MetricSink
 from tasks.training.optim import build_optimizer
 from tasks.training.optimizer_state import load_optimizer_state, load_parent_optimizer_state
-from tasks.training.parallelize import Parallel, parallelize
+from tasks.training.parallelize import Parallel, parallel_mode, parallelize
 from tasks.training.periodic_eval import PeriodicEval
-from tasks.training.precision import resolve_dtype
+from tasks.training.precision import precision_recipe, resolve_dtype
 from tasks.training.resume import RunShape, check_resume, find_resume
 from tasks.training.schedule import describe_run_length, total_optimizer_steps
 from tasks.training.settings import TrainSettings
@@ -138,7 +138,11 @@ def _open_run_dir(run_dir: str | Path, dist: DistContext) -> Path:
 
 
 def _plan_run(
-    dataset_ref: DatasetRef, meta: dict[str, Any], settings: TrainSettings, dist: DistContext
+    dataset_ref: DatasetRef,
+    meta: dict[str, Any],
+    settings: TrainSettings,
+    dist: DistContext,
+    device: torch.device,
 ) -> _RunPlan:
     blocks = open_blocks(dataset_ref.path, "train")
     total_steps = total_optimizer_steps(
@@ -155,6 +159,7 @@ def _plan_run(
         accumulate_steps=settings.accumulate_steps,
         world_size=dist.world_size,
         dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
+        precision=precision_recipe(parallel_mode(settings), device.type, settings.dtype),
     )
     length = describe_run_length(
         total_steps,
@@ -231,7 +236,7 @@ def run_process(
     config, meta = validate_inputs(model_ref, dataset_ref, settings)
     device, settings = _settle_device(settings, dist)
     run_dir = _open_run_dir(run_dir, dist)
-    plan = _plan_run(dataset_ref, meta, settings, dist)
+    plan = _plan_run(dataset_ref, meta, settings, dist, device)
     resume, state = _resume_point(run_dir, settings, plan, config, dist)
     if resume is not None and state is not None and state["step"] >= plan.total_steps:
         return checkpoint_ref(resume, run_dir, state)

@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model import LlamaConfig, LlamaForPretraining, load_pretrained
 from model.weights import WEIGHTS_FILE, check_fit, has_tied_head, stored_shapes
 from tasks.training.loss import LossHead
+from tasks.training.precision import BF16_FSDP_PARAMS, precision_recipe
 from tasks.training.settings import TrainSettings
 
 Mode = Literal["none", "ddp", "fsdp"]
@@ -179,7 +180,7 @@ def _sharded_model(
     if settings.activation_checkpointing == "full":
         _checkpoint_blocks(model)
     mesh = init_device_mesh(device.type, (world,))
-    if device.type == "cuda" and settings.dtype == "bf16":
+    if precision_recipe("fsdp", device.type, settings.dtype) == BF16_FSDP_PARAMS:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()

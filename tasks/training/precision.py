@@ -11,6 +11,13 @@ import torch
 
 Precision = Literal["bf16", "fp32"]
 
+# The numerical recipes a run trains with (recorded in each checkpoint; `precision_recipe`). FSDP2's mixed
+# precision on CUDA is not DDP's autocast: its parameters, hence the residual stream and the norms' gains,
+# are bf16, where autocast keeps them fp32 and runs only the matmuls in bf16.
+FP32 = "fp32"
+BF16_AUTOCAST = "bf16 autocast over fp32 weights (fp32 residual stream, bf16 matmuls)"
+BF16_FSDP_PARAMS = "FSDP2 bf16 mixed precision (bf16 parameters and residual stream, fp32 gradient reduction)"
+
 
 @cache
 def native_bf16(device_type: str) -> bool:
@@ -43,3 +50,12 @@ def autocast(device: torch.device, dtype: str) -> AbstractContextManager[object]
     if dtype == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def precision_recipe(mode: str, device_type: str, dtype: str) -> str:
+    """The numerical recipe of a run with parallel `mode` (none, ddp, fsdp) on `device_type` at the concrete
+    `dtype`: FSDP2 on CUDA under bf16 gathers bf16 parameters (MixedPrecisionPolicy: half the all-gather
+    traffic); everything else autocasts over fp32 weights. `parallelize` applies what this says."""
+    if dtype != "bf16":
+        return FP32
+    return BF16_FSDP_PARAMS if mode == "fsdp" and device_type == "cuda" else BF16_AUTOCAST

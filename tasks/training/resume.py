@@ -6,7 +6,8 @@ loss, schedule, optimizer updates) must be those the checkpoint was written with
 may change as long as the global batch and the run length in optimizer steps stay the same (the
 loader's order does not depend on how the batch is split into micro-batches and ranks, so a resume at
 another world size with the same global batch continues the same run); the MayChange ones (compile,
-precision, device, checkpointing, logging) are free. The architecture (every LlamaConfig field of the
+precision, device, checkpointing, logging) are free, except a move between two bf16 recipes (FSDP2's
+mixed precision on CUDA and autocast elsewhere train differently). The architecture (every LlamaConfig field of the
 checkpoint's config.json) and the dataset must be the same too.
 
 A checkpoint written before a setting or a config field existed holds no value for it: it was trained
@@ -23,6 +24,7 @@ from model import LlamaConfig
 from tasks.training import checkpoint as ckpt
 from tasks.training.distributed import DistContext
 from tasks.training.errors import TrainingInputError
+from tasks.training.precision import FP32
 from tasks.training.settings import RESUME_RULES, OnResume, TrainSettings
 
 # Optimizer hyperparameters among them: `Optimizer.load_state_dict` would silently put the checkpoint's
@@ -39,6 +41,8 @@ class RunShape:
     accumulate_steps: int
     world_size: int  # the processes actually training (torchrun's, whatever nproc_per_node says)
     dataset_fingerprint: str
+    # The numerical recipe (tasks.training.precision); "" in checkpoints written before it was recorded.
+    precision: str = ""
 
     @property
     def global_batch(self) -> int:
@@ -60,7 +64,7 @@ def check_resume(
     problems += architecture_differences(ckpt.read_json(path / ckpt.CONFIG_FILE), config)
     run = state.get("run", {})
     if "world_size" in run:
-        before = RunShape(**{k: run[k] for k in RunShape.__dataclass_fields__})
+        before = RunShape(**{k: run[k] for k in RunShape.__dataclass_fields__ if k in run})
         if before.global_batch != shape.global_batch:
             problems.append(
                 "global batch (micro_batch_size x accumulate_steps x ranks): checkpoint "
@@ -71,6 +75,7 @@ def check_resume(
                 f"dataset fingerprint: checkpoint {before.dataset_fingerprint}, now {shape.dataset_fingerprint} "
                 "(the dataset was rebuilt, or another one given)"
             )
+        problems += precision_differences(before.precision, shape.precision)
     if int(state["total_steps"]) != shape.total_steps:
         problems.append(f"total_steps: checkpoint {state['total_steps']}, now {shape.total_steps}")
     if problems:
@@ -78,6 +83,19 @@ def check_resume(
             f"cannot resume {path} with these settings: {'; '.join(problems)}. They change the run (model, data, "
             "schedule or updates): resume with the checkpoint's values, or train in a new checkpoint_dir"
         )
+
+
+def precision_differences(before: str, now: str) -> list[str]:
+    """A problem when the checkpoint and this run train under two different bf16 recipes (DDP's autocast
+    and FSDP2's mixed precision on CUDA). A move to or from fp32 is a change of dtype, which is free."""
+    if not before or before == now or FP32 in (before, now):
+        return []
+    return [
+        f"bf16 recipe: checkpoint trained with {before}, this run would train with {now} (data_parallel "
+        "fsdp on CUDA uses FSDP2's mixed precision, DDP and one process autocast); resume with the "
+        "checkpoint's data_parallel on the same device type, or with dtype fp32, or start a new run from "
+        "its weights with init_from"
+    ]
 
 
 def settings_differences(saved: dict[str, Any], settings: TrainSettings) -> list[str]:
