@@ -4,9 +4,10 @@
 
 The ranks (torchrun, gloo, 127.0.0.1) build the preset through `parallelize` (FSDP2) and `build_optimizer`
 (AdamW), take one optimizer step (so the state exists), then in rounds time: the engine's whole
-`write_checkpoint` (gather + model.safetensors on rank 0 + optimizer shards + RNG + checksums +
-publication); its parts: gathering the whole state dict, writing model.safetensors (rank 0), the
-optimizer shards through DCP synchronously (`save_optimizer_state`); and the same optimizer shards through
+`write_checkpoint` (model slices from every rank streamed into model.safetensors by rank 0 + optimizer
+shards + RNG + checksums + publication); its parts: the model slices (`save_model_shards`), rank 0's
+streamed consolidation (`consolidate_weights`), and for comparison what they replaced (the whole state dict
+gathered into rank 0's memory and written with `save_weights`); the optimizer shards through DCP synchronously (`save_optimizer_state`); and the same optimizer shards through
 `dcp.async_save`: the time until it returns (what training would wait) and until its writes finish.
 Writes results/checkpoint_save[_TAG].json.
 """
@@ -35,6 +36,7 @@ from benchmarks.bench_common import RESULTS_DIR, load_average, machine_info, run
 from model import LlamaConfig, get_preset, save_weights  # noqa: E402
 from tasks.build import build_model  # noqa: E402
 from tasks.training import checkpoint as ckpt  # noqa: E402
+from tasks.training.checkpoint_weights import consolidate_weights, save_model_shards  # noqa: E402
 from tasks.training.distributed import context_from_env, leave_process_group  # noqa: E402
 from tasks.training.optim import build_optimizer  # noqa: E402
 from tasks.training.optimizer_state import save_optimizer_state  # noqa: E402
@@ -80,6 +82,13 @@ def rank_side(weights: Path, rounds: int, out: Path) -> None:
             keep=1,
             dist=context,
         )
+        # The weights as write_checkpoint writes them: each rank its slices, streamed into one file by rank 0.
+        timed("model_shards", save_model_shards, scratch / f"shards{round_}", parallel.plain)
+        if context.is_main:
+            start = time.perf_counter()
+            consolidate_weights(scratch / f"shards{round_}", scratch / f"streamed{round_}.safetensors", {})
+            times.setdefault("consolidate_model_safetensors_rank0", []).append(time.perf_counter() - start)
+        # What it replaced: the whole state dict gathered into rank 0's memory and written from there.
         whole = timed("gather_whole_state_dict", parallel.full_state_dict)
         if context.is_main:
             start = time.perf_counter()

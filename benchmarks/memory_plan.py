@@ -7,8 +7,9 @@ Counted per GPU, training in bf16 autocast with fp32 parameters (the engine on C
   matrices (one momentum) + 8 bytes for every other parameter (AdamW);
   DDP: all of it on every GPU, plus DDP's gradient buckets (4P);
   FSDP2 on N GPUs: parameters, gradients and optimizer state / N, plus the largest decoder block gathered
-  whole in bf16, twice (the block in use and the next one prefetched), plus, when accumulate_steps > 1,
-  the unsharded fp32 gradients FSDP2 keeps between micro-batches (4P: it reduces once per optimizer step);
+  whole in bf16, twice (the block in use and the next one prefetched), plus, when accumulating with
+  `fsdp_gradient_sync: last_micro_batch`, the unsharded fp32 gradients FSDP2 keeps between micro-batches
+  (4P: it reduces once per optimizer step; the default reduce-scatters every micro-batch and keeps none);
   activations of one micro-batch of `--tokens` tokens: 34 * hidden bytes per token and layer without
   activation checkpointing (Korthikanti et al. 2022, attention by a flash kernel, so no T x T term); with
   activation_checkpointing=full, 2 * hidden per token and layer (the block inputs, bf16) plus one block's
@@ -83,7 +84,7 @@ def main() -> None:
         config = get_preset(name)
         for optimizer in ("adamw", "muon"):
             for accumulate, checkpointing in ((False, False), (True, False), (True, True)):
-                key = f"{name}/{optimizer}/{'accumulate' if accumulate else 'no-accumulation'}/{'ac' if checkpointing else 'no-ac'}"
+                key = f"{name}/{optimizer}/{'accumulate-nosync' if accumulate else 'no-accumulation'}/{'ac' if checkpointing else 'no-ac'}"
                 row = plan(config, args.tokens, args.gpu_gb, optimizer, accumulate, checkpointing)
                 rows[key] = row
                 if optimizer == "adamw" or not accumulate:
@@ -104,7 +105,7 @@ def main() -> None:
         "preset",
         "params",
         "optimizer",
-        "accumulate",
+        "accumulate, last_micro_batch",
         "act. ckpt",
         "activations GB",
         "DDP GB/GPU",

@@ -50,6 +50,15 @@ def has_tied_head(model: nn.Module) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
 
 
+def weights_metadata(model: nn.Module) -> dict[str, str]:
+    """The safetensors metadata our weight files carry: the format, and the model config as JSON."""
+    meta = {"format": "pt"}
+    config = getattr(unwrap(model), "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        meta["config"] = json.dumps(config.to_dict())
+    return meta
+
+
 def save_weights(
     model: nn.Module,
     path: str | os.PathLike,
@@ -75,11 +84,7 @@ def save_weights(
     if has_tied_head(plain):
         state.pop("lm_head.weight", None)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}
-    meta = {"format": "pt"}
-    config = getattr(plain, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        meta["config"] = json.dumps(config.to_dict())
-    meta.update(metadata or {})
+    meta = {**weights_metadata(plain), **(metadata or {})}
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return Path(path)

@@ -55,6 +55,7 @@ NON_DEFAULT_FLAGS = {
     "device": ["--device", "cpu"],
     "nproc_per_node": ["--nproc-per-node", "2"],
     "data_parallel": ["--data-parallel", "fsdp"],
+    "fsdp_gradient_sync": ["--fsdp-gradient-sync", "last_micro_batch"],
     "activation_checkpointing": ["--activation-checkpointing", "full"],
     "nnodes": ["--nnodes", "2"],
     "max_restarts": ["--max-restarts", "3"],

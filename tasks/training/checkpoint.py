@@ -5,7 +5,8 @@ it); when every rank has written and fsynced its files, `manifest.json` (sha256 
 written last and the directory renamed into place (`model.atomic`). A directory without a valid manifest
 is never resumed from, so a `kill -9` of any rank at any moment leaves the old or the new checkpoint usable.
 
-  model.safetensors   the original module's whole state dict (gathered from the shards under FSDP2):
+  model.safetensors   the original module's whole state dict (under FSDP2 every rank writes its slices and
+                      the main rank streams them into this file: `checkpoint_weights`, nothing gathered):
                       what evaluation and registration read, and the weights a resume loads
   optimizer/          the optimizer state, safetensors shards written by every rank (`optimizer_state`)
   rng_rank_<r>.pt     rank r's generators, written by rank r
@@ -34,6 +35,8 @@ import torch
 
 from model import save_weights
 from model.atomic import atomic_dir, remove_stale
+from model.weights import weights_metadata
+from tasks.training.checkpoint_weights import SHARDS_DIR, consolidate_weights, save_model_shards
 from tasks.training.distributed import DistContext
 from tasks.training.optim import TrainOptimizer
 from tasks.training.optimizer_state import OPTIMIZER_DIR, save_optimizer_state
@@ -133,8 +136,11 @@ def write_checkpoint(
     A collective: every rank calls it (`trainer_state` is read on the main rank only)."""
     final = run_dir / checkpoint_name(step)
 
+    sharded = parallel.mode == "fsdp"
+
     def fill(tmp: Path) -> None:
-        whole = parallel.full_state_dict()  # gathered into the main rank's CPU memory under FSDP2
+        if sharded:  # every rank its slices of the weights: nothing is gathered
+            save_model_shards(tmp / SHARDS_DIR, parallel.plain)
         save_optimizer_state(tmp / OPTIMIZER_DIR, parallel.plain, optimizer)  # every rank its shards
         if midway is not None:
             midway()
@@ -142,12 +148,19 @@ def write_checkpoint(
         torch.save(capture_rng_state(device), rng)
         _fsync(rng)
         if dist.is_main:
-            save_weights(parallel.plain, tmp / MODEL_FILE, state=whole)
+            if not sharded:
+                save_weights(parallel.plain, tmp / MODEL_FILE)
             torch.save(trainer_state, tmp / STATE_FILE)
             (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
             (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
-        del whole
         dist.barrier()  # every rank's files are written
+        if sharded and dist.is_main:
+            # Streamed from the slices, one tensor at a time (the peak is about the largest tensor).
+            consolidate_weights(tmp / SHARDS_DIR, tmp / MODEL_FILE, weights_metadata(parallel.plain))
+            _fsync(tmp / MODEL_FILE)
+            shutil.rmtree(tmp / SHARDS_DIR)
+        if sharded:
+            dist.barrier()  # before any rank lists the files for the manifest
         write_manifest(tmp, step, dist)
 
     if dist.is_main:
