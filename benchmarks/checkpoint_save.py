@@ -4,10 +4,12 @@
 
 The ranks (torchrun, gloo, 127.0.0.1) build the preset through `parallelize` (FSDP2) and `build_optimizer`
 (AdamW), take one optimizer step (so the state exists), then in rounds time: the engine's whole
-`write_checkpoint` (model slices from every rank streamed into model.safetensors by rank 0 + optimizer
-shards + RNG + checksums + publication); its parts: the model slices (`save_model_shards`), rank 0's
-streamed consolidation (`consolidate_weights`), and for comparison what they replaced (the whole state dict
-gathered into rank 0's memory and written with `save_weights`); the optimizer shards through DCP synchronously (`save_optimizer_state`); and the same optimizer shards through
+`write_checkpoint` (every rank's model slices + optimizer shards + RNG + checksums + publication); its
+parts: the model slices (`save_model_shards`), the streamed consolidation into model.safetensors that
+evaluation or registration runs once (`consolidate_weights`, one process), and for comparison what the
+slices replaced at every checkpoint (the whole state dict gathered into rank 0's memory and written with
+`save_weights`); the optimizer shards through DCP synchronously (`save_optimizer_state`); and the same
+optimizer shards through
 `dcp.async_save`: the time until it returns (what training would wait) and until its writes finish.
 Writes results/checkpoint_save[_TAG].json.
 """
@@ -82,7 +84,7 @@ def rank_side(weights: Path, rounds: int, out: Path) -> None:
             keep=1,
             dist=context,
         )
-        # The weights as write_checkpoint writes them: each rank its slices, streamed into one file by rank 0.
+        # The weights as write_checkpoint writes them (each rank its slices), and their consolidation.
         timed("model_shards", save_model_shards, scratch / f"shards{round_}", parallel.plain)
         if context.is_main:
             start = time.perf_counter()

@@ -18,6 +18,7 @@ from model.config import LlamaConfig
 from model.llama import LlamaForPretraining
 
 WEIGHTS_FILE = "model.safetensors"
+SHARDS_DIR = "model_shards"  # a sharded checkpoint's slices instead (tasks/training/checkpoint_weights.py)
 CONFIG_FILE = "config.json"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 COMPILED_MODEL_ERROR = (
@@ -108,6 +109,11 @@ def weights_file(path: str | os.PathLike) -> Path:
     """A .safetensors file, or a directory holding `model.safetensors` → that file (no pickles, ever)."""
     path = Path(path).expanduser()
     if path.is_dir():
+        if not (path / WEIGHTS_FILE).is_file() and (path / SHARDS_DIR).is_dir():
+            raise FileNotFoundError(
+                f"{path} is a sharded (FSDP2) checkpoint without {WEIGHTS_FILE}: write it from the shards with "
+                f"`python -m tasks.training.consolidate {path}`"
+            )
         path = path / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(

@@ -19,6 +19,7 @@ from model import LlamaForPretraining, generate, load_pretrained
 from tasks.refs import CheckpointRef, CheckpointScore, DatasetRef, EvalResult, ModelRef, TokenizerRef
 from tasks.scoring import ScoringError, ValidationText, encode_documents, validation_text, xz_bits_per_byte
 from tasks.training.checkpoint import checkpoint_dirs, is_valid
+from tasks.training.checkpoint_weights import whole_weights
 from tasks.training.distributed import resolve_device
 from tasks.training.loss import score_text, stream_loss
 from tasks.training.precision import resolve_dtype
@@ -122,7 +123,8 @@ def evaluate(
         initial_loss, initial_bpb = score_text(
             load_pretrained(initial_model.path, device=dev), text, **kwargs
         )
-    model = load_pretrained(checkpoint.path, device=dev).eval()
+    # A sharded run's checkpoints hold slices: the whole model.safetensors is written here, once.
+    model = load_pretrained(checkpoint.path, whole_weights(Path(checkpoint.path)), device=dev).eval()
     val_loss, bits_per_byte = score_text(model, text, **kwargs)
     scores = [
         CheckpointScore(
@@ -130,7 +132,7 @@ def evaluate(
         )
     ]
     for step, path in earlier_checkpoints(checkpoint):
-        loss, bpb = score_text(load_pretrained(path, device=dev), text, **kwargs)
+        loss, bpb = score_text(load_pretrained(path, whole_weights(path), device=dev), text, **kwargs)
         scores.append(CheckpointScore(step=step, path=str(path), val_loss=loss, bits_per_byte=bpb))
     samples = generate_samples(
         model,

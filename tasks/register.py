@@ -48,6 +48,7 @@ from tasks.registry.promoter import promoter_client, refused
 from tasks.registry.publish import log_version
 from tasks.scoring import ScoringError, validation_text
 from tasks.tracking import store
+from tasks.training.checkpoint_weights import whole_weights
 from tasks.training.distributed import resolve_device
 
 TAG_BITS_PER_BYTE = "llamaflow.bits_per_byte"
@@ -67,6 +68,7 @@ def _check_inputs(
     checkpoint: CheckpointRef, tokenizer: TokenizerRef, dataset: DatasetRef, eval_result: EvalResult
 ) -> None:
     ckpt = Path(checkpoint.path)
+    whole_weights(ckpt)  # a sharded run's checkpoint: its model.safetensors, consolidated once
     for name in (WEIGHTS, CONFIG):
         if not (ckpt / name).is_file():
             raise FileNotFoundError(

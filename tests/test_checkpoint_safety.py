@@ -72,7 +72,7 @@ def manifest_on_ranks(directory: Path, out: Path) -> None:
     (directory / rng_file(context.rank)).write_bytes(os.urandom(64))
     (directory / "optimizer" / f"__{context.rank}_0.distcp").write_bytes(os.urandom(64))
     if context.is_main:
-        for name in REQUIRED_FILES:
+        for name in (*REQUIRED_FILES, "model.safetensors"):
             (directory / name).write_bytes(os.urandom(64))
     dist.barrier()
     if context.rank == 1:

@@ -1,13 +1,16 @@
 """FSDP2 (`data_parallel="fsdp"`) through `fit` and real torchrun/gloo ranks: it trains as one process with
 the same global batch, its sharded checkpoints resume bit for bit at the same shape and exactly at any other
 world size or mode (2 FSDP ranks -> 1 process; -> 2 DDP ranks -> 3 FSDP ranks with activation
-checkpointing), its model.safetensors is what a one-process run writes, and it reduces gradients every
-micro-batch (or once per optimizer step)."""
+checkpointing), its checkpoints hold every rank's slices and no gathered model, the model.safetensors
+consolidated from them is what a one-process run writes, and it reduces gradients every micro-batch (or
+once per optimizer step)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,10 +21,13 @@ from safetensors.torch import load_file
 
 from model import get_preset, load_pretrained
 from model.hf import export_hf
+from model.weights import read_metadata
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
+from tasks.init_from.local import resolve_local
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training.checkpoint_weights import whole_weights
 from tasks.training.faults import ENV_VAR
 from tasks.training.metrics import METRICS_FILE
 
@@ -114,12 +120,26 @@ def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
     shards = sorted(p.name for p in (step4 / "optimizer").iterdir())
     assert len(shards) == 2, shards  # every rank wrote its own optimizer shard
     assert checkpoint_problem(step4) is None
+    # Nothing gathered: the model as every rank's slices, no whole file until one is needed.
+    assert len(list((step4 / "model_shards").glob("*.safetensors"))) == 2
+    assert not (step4 / "model.safetensors").exists() and not (Path(fsdp.path) / "model.safetensors").exists()
+    with pytest.raises(FileNotFoundError, match=f"python -m tasks.training.consolidate {step4}"):
+        load_pretrained(step4)  # a reader that needs the file is told how to write it
+    started_from = resolve_local(str(step4), step4)  # init_from a sharded checkpoint consolidates it once
+    assert (step4 / "model.safetensors").is_file() and started_from.weights_sha256
 
-    # The registered weights: the original module's whole state dict, as one process writes it.
-    a, b = (
-        load_file(str(Path(fsdp.path) / "model.safetensors")),
-        load_file(str(Path(single.path) / "model.safetensors")),
+    # The registered weights, consolidated from the slices: the original module's whole state dict, as
+    # one process writes it (names, dtypes, shapes, metadata).
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.training.consolidate", fsdp.path],
+        check=True,
+        capture_output=True,
+        text=True,
     )
+    whole = Path(done.stdout.strip())
+    assert whole == Path(fsdp.path) / "model.safetensors" and whole_weights(Path(fsdp.path)) == whole
+    a, b = load_file(str(whole)), load_file(str(Path(single.path) / "model.safetensors"))
+    assert read_metadata(whole) == read_metadata(Path(single.path) / "model.safetensors")
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)

@@ -24,6 +24,7 @@ from tasks.init_from.parent_cache import (
 from tasks.refs import ParentRef
 from tasks.tracking.runs import read_run_record
 from tasks.training import checkpoint as ckpt
+from tasks.training.checkpoint_weights import whole_weights
 
 
 def describe_run_dir(run_dir: Path) -> str | None:
@@ -55,6 +56,7 @@ def _checkpoint_facts(directory: Path) -> dict[str, Any]:
 def resolve_local(source: str, path: Path) -> ParentRef:
     path = path.expanduser().resolve()
     if path.is_dir():
+        whole_weights(path)  # a sharded run's checkpoint (model_shards/): its model.safetensors, once
         if not (path / WEIGHTS_FILE).is_file():
             hint = describe_run_dir(path)
             if hint is not None:

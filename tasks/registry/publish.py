@@ -25,8 +25,9 @@ from mlflow.models import Model, infer_signature
 from mlflow.tracking import MlflowClient
 
 from model import weights as model_weights
-from model.weights import CONFIG_FILE, WEIGHTS_FILE
+from model.weights import CONFIG_FILE
 from tasks.refs import CheckpointRef, TokenizerRef
+from tasks.training.checkpoint_weights import whole_weights
 
 # Logged as code (MLflow copies the file and runs it at load time) with the `model` package beside it.
 # (Not imported here: importing it registers the model with MLflow's models-from-code loader.)
@@ -54,7 +55,7 @@ def _save_pyfunc(path: Path, model: Model, checkpoint: CheckpointRef, tokenizer:
         mlflow_model=model,
         python_model=str(PYFUNC_CODE),
         artifacts={
-            "weights": str(Path(checkpoint.path) / WEIGHTS_FILE),
+            "weights": str(whole_weights(Path(checkpoint.path))),
             "tokenizer": tokenizer.path,
             "config": str(Path(checkpoint.path) / CONFIG_FILE),
         },

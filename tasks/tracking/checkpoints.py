@@ -26,6 +26,7 @@ from model.weights import CONFIG_FILE, WEIGHTS_FILE
 from tasks import home
 from tasks.refs import CheckpointScore, DatasetRef, EvalResult
 from tasks.tracking.store import get_client
+from tasks.training.checkpoint_weights import whole_weights
 
 MODEL_TYPE = "llamaflow-checkpoint"
 TAG_CHECKPOINT = "llamaflow.checkpoint"
@@ -63,6 +64,7 @@ def _log_one(
     # Metrics an unfinished attempt already logged (linked to this model) are not logged again.
     logged_before = {(m.key, m.step) for m in client.get_logged_model(logged.model_id).metrics or []}
     try:
+        whole_weights(Path(score.path))  # a sharded run's checkpoint: model.safetensors consolidated once
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             client.log_model_artifact(logged.model_id, str(Path(score.path) / name))
         now = int(time.time() * 1000)

@@ -2,7 +2,8 @@
 
     ref = fit(model_ref, dataset_ref, TrainSettings(micro_batch_size=8, max_steps=100), run_dir, sink)
 
-A run directory holds `step_000123/` checkpoints (model.safetensors, optimizer/, trainer_state.pt,
+A run directory holds `step_000123/` checkpoints (model.safetensors, or model_shards/ under FSDP2: see
+`checkpoint_weights`; optimizer/, trainer_state.pt,
 config.json, train_settings.json, manifest.json with sha256 of each), `metrics.jsonl` (one line per
 logged step; the last line of a step wins), and for torchrun jobs `torchrun_spec.json` /
 `torchrun_result.json`. Calling `fit` again with the same directory resumes from the newest valid

@@ -5,9 +5,11 @@ it); when every rank has written and fsynced its files, `manifest.json` (sha256 
 written last and the directory renamed into place (`model.atomic`). A directory without a valid manifest
 is never resumed from, so a `kill -9` of any rank at any moment leaves the old or the new checkpoint usable.
 
-  model.safetensors   the original module's whole state dict (under FSDP2 every rank writes its slices and
-                      the main rank streams them into this file: `checkpoint_weights`, nothing gathered):
+  model.safetensors   the original module's whole state dict, written by the main rank (one process, DDP):
                       what evaluation and registration read, and the weights a resume loads
+  model_shards/       instead, under FSDP2: every rank's slices of that state dict (DCP's safetensors
+                      format; nothing is gathered), which a resume at any world size reads; model.safetensors
+                      is consolidated from them where a whole model is needed (`checkpoint_weights`)
   optimizer/          the optimizer state, safetensors shards written by every rank (`optimizer_state`)
   rng_rank_<r>.pt     rank r's generators, written by rank r
   trainer_state.pt, config.json, train_settings.json, manifest.json
@@ -35,8 +37,7 @@ import torch
 
 from model import save_weights
 from model.atomic import atomic_dir, remove_stale
-from model.weights import weights_metadata
-from tasks.training.checkpoint_weights import SHARDS_DIR, consolidate_weights, save_model_shards
+from tasks.training.checkpoint_weights import SHARDS_DIR, save_model_shards
 from tasks.training.distributed import DistContext
 from tasks.training.optim import TrainOptimizer
 from tasks.training.optimizer_state import OPTIMIZER_DIR, save_optimizer_state
@@ -47,7 +48,7 @@ STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 SETTINGS_FILE = "train_settings.json"
 MANIFEST_FILE = "manifest.json"
-REQUIRED_FILES = (MODEL_FILE, STATE_FILE, CONFIG_FILE, SETTINGS_FILE)
+REQUIRED_FILES = (STATE_FILE, CONFIG_FILE, SETTINGS_FILE)  # and the weights: MODEL_FILE or SHARDS_DIR/
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _ONE = DistContext()
 
@@ -154,13 +155,6 @@ def write_checkpoint(
             (tmp / CONFIG_FILE).write_text(json.dumps(model_config, indent=2))
             (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
         dist.barrier()  # every rank's files are written
-        if sharded and dist.is_main:
-            # Streamed from the slices, one tensor at a time (the peak is about the largest tensor).
-            consolidate_weights(tmp / SHARDS_DIR, tmp / MODEL_FILE, weights_metadata(parallel.plain))
-            _fsync(tmp / MODEL_FILE)
-            shutil.rmtree(tmp / SHARDS_DIR)
-        if sharded:
-            dist.barrier()  # before any rank lists the files for the manifest
         write_manifest(tmp, step, dist)
 
     if dist.is_main:
@@ -202,12 +196,18 @@ def write_manifest(tmp: Path, step: int, dist: DistContext = _ONE) -> None:
     # A file of one chunk has one digest (its sha256), a larger one the list of its chunks' digests.
     checksums = {name: d[0] if len(d) == 1 else d for name, d in digests.items()}
     lacking = [n for n in (*REQUIRED_FILES, *map(rng_file, range(dist.world_size))) if n not in checksums]
+    lacking += [] if _has_weights(list(checksums)) else ["the model weights"]
     if lacking or not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in checksums):
         raise RuntimeError(
             f"checkpoint {tmp} is incomplete: {', '.join(lacking) or 'no optimizer state'} not written; the "
             "checkpoint is not published"
         )
     (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
+
+
+def _has_weights(names: list[str]) -> bool:
+    """Whether a checkpoint's files hold the model: model.safetensors, or a sharded model's slices."""
+    return MODEL_FILE in names or any(n.startswith(f"{SHARDS_DIR}/") for n in names)
 
 
 def _size_when_visible(path: Path, wait_s: float = 60.0) -> int:
@@ -351,6 +351,8 @@ def _manifest_problem(path: Path) -> tuple[str | None, list[str]]:
     for name in REQUIRED_FILES:
         if name not in checksums:
             return f"manifest.json lists no {name}", names
+    if not _has_weights(names):
+        return f"manifest.json lists no {MODEL_FILE} and no {SHARDS_DIR}/", names
     if not any(n.startswith(f"{OPTIMIZER_DIR}/") for n in names):
         return "manifest.json lists no optimizer state", names
     return None, names

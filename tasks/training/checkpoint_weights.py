@@ -1,11 +1,15 @@
 """A sharded model's weights in a checkpoint without gathering them into one process.
 
 Every rank writes its own slices of the state dict through DCP's safetensors format (`model_shards/`, each
-file's header holding its slices' offsets), and `consolidate_weights` streams those slices into one
-`model.safetensors`, one tensor at a time: each slice read with a plain file read into its place in that
-tensor's bytes, then the tensor written out, so the peak host memory is about the largest tensor, never the whole model (measured:
-benchmarks/consolidate_memory.py). The file is what `save_weights` writes for the whole module: the same
-names (a tied head once), dtypes, shapes and metadata.
+file's header holding its slices' offsets): that is all a checkpoint holds of a sharded model, and a resume
+at any world size reads it directly (`parallelize.load_checkpoint_weights`). Where a whole model is needed
+(evaluation, registration, export), `whole_weights` consolidates the slices once into the checkpoint's
+`model.safetensors`, streamed one tensor at a time: each slice read with a plain file read into its place in
+that tensor's bytes, then the tensor written out, so the peak host memory is about the largest tensor, never
+the whole model (measured: benchmarks/consolidate_memory.py). The file is what `save_weights` writes for the
+whole module: the same names (a tied head once), dtypes, shapes and metadata.
+
+By hand: `python -m tasks.training.consolidate CHECKPOINT_DIR`.
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from model.atomic import atomic_file
-from model.weights import has_tied_head
+from model.weights import CONFIG_FILE, SHARDS_DIR, WEIGHTS_FILE, has_tied_head
 
-SHARDS_DIR = "model_shards"
 # How DCP's safetensors writer records where each slice sits in its whole tensor (file metadata, JSON).
 _DCP_SHARDING = "DCP_SHARDING_INFO"
 _BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -77,6 +80,24 @@ def _slices(shards: Path) -> tuple[dict[str, list[_Slice]], dict[str, tuple[str,
             dtype, size = whole.setdefault(name, (info["dtype"], [0] * len(shape)))
             whole[name] = (dtype, [max(n, s + o) for n, s, o in zip(size, shape, offsets, strict=True)])
     return slices, whole
+
+
+def whole_shapes(shards: Path) -> dict[str, torch.Size]:
+    """Every tensor's whole shape, from the headers of the shard files under `shards`."""
+    return {name: torch.Size(shape) for name, (_, shape) in _slices(shards)[1].items()}
+
+
+def whole_weights(checkpoint: Path) -> Path:
+    """`checkpoint/model.safetensors`, consolidated from the checkpoint's `model_shards/` the first time a
+    whole model is needed (the file of a checkpoint that holds one, or no shards, is returned as it is).
+    One process; the file appears atomically, so concurrent callers write the same bytes twice at worst."""
+    checkpoint = Path(checkpoint)
+    out = checkpoint / WEIGHTS_FILE
+    if out.is_file() or not (checkpoint / SHARDS_DIR).is_dir():
+        return out
+    # The metadata save_weights gives a module of this config (model.weights.weights_metadata).
+    config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    return consolidate_weights(checkpoint / SHARDS_DIR, out, {"format": "pt", "config": json.dumps(config)})
 
 
 def _byte_view(flat: torch.Tensor, shape: tuple[int, ...] | list[int], itemsize: int) -> torch.Tensor:

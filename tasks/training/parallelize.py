@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import LlamaConfig, LlamaForPretraining, load_pretrained
 from model.weights import WEIGHTS_FILE, check_fit, has_tied_head, stored_shapes
+from tasks.training.checkpoint_weights import SHARDS_DIR, whole_shapes
 from tasks.training.loss import LossHead
 from tasks.training.precision import BF16_FSDP_PARAMS, precision_recipe
 from tasks.training.settings import TrainSettings
@@ -131,7 +132,7 @@ def parallelize(
     if mode == "fsdp":
         plain: nn.Module = _sharded_model(config, weights, settings, device, world)
     else:
-        plain = load_pretrained(config, weights, device=device)
+        plain = _plain_model(config, weights, device)
         if settings.activation_checkpointing == "full":
             _checkpoint_blocks(plain)
     plain.train()
@@ -195,22 +196,43 @@ def _sharded_model(
     model.to_empty(
         device=device
     )  # this rank's shards only; the RoPE tables are rebuilt (LlamaForPretraining)
-    load_sharded_weights(model, weights)
+    load_checkpoint_weights(model, weights)
     return model
 
 
-def load_sharded_weights(model: nn.Module, directory: Path) -> None:
-    """Fill a sharded module from `directory/model.safetensors`: each rank reads only its own slices
-    (memory-mapped), so the whole model never sits in one rank's memory."""
-    file = Path(directory) / WEIGHTS_FILE
+def _plain_model(config: LlamaConfig, weights: Path, device: torch.device) -> nn.Module:
+    """The whole model holding `weights`: model.safetensors, or a sharded checkpoint's slices."""
+    if not (Path(weights) / SHARDS_DIR).is_dir():
+        return load_pretrained(config, weights, device=device)
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    model.to_empty(device=device)
+    load_checkpoint_weights(model, weights)
+    return model
+
+
+def load_checkpoint_weights(model: nn.Module, directory: Path) -> None:
+    """Fill a module, sharded or whole, from `directory`: a sharded checkpoint's slices (`model_shards/`,
+    at any world size: DCP places every saved slice where this rank's parameters need it), else its
+    model.safetensors. Under FSDP2 each rank reads only the parts of its own shards, so the whole model
+    never sits in one rank's memory. A collective where a process group is up: every rank calls it."""
+    source = Path(directory) / SHARDS_DIR
+    if source.is_dir():
+        shapes, where = whole_shapes(source), str(source)
+    else:
+        source = Path(directory)
+        shapes, where = stored_shapes(source / WEIGHTS_FILE), str(source / WEIGHTS_FILE)
     state = get_model_state_dict(model)
     tied = has_tied_head(model)
     if tied:
         del state["lm_head.weight"]  # stored once, as the embedding
-    check_fit({k: t.shape for k, t in state.items()}, stored_shapes(file), source=str(file))
-    # The reader takes every *.safetensors directly in `directory`: there is one, the optimizer's shards
-    # live in a subdirectory.
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    check_fit({k: t.shape for k, t in state.items()}, shapes, source=where)
+    # The reader takes every *.safetensors directly in `source`: the optimizer's shards live in a
+    # subdirectory of the checkpoint.
+    with warnings.catch_warnings():
+        # One process (no process group) reads every slice itself, which is what is meant here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(source)))
     if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     set_model_state_dict(model, state)
