@@ -59,6 +59,9 @@ def rank_side(weights: Path, rounds: int, out: Path) -> None:
         parallel.model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
     scratch = out / "scratch"
+    # async_save's background thread runs its collectives on a group of its own: on the default group they
+    # interleave with the main thread's barriers and both ranks hang (seen with gloo).
+    async_group = dist.new_group(backend="gloo")
     times: dict[str, list[float]] = {}
 
     def timed(name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
@@ -107,7 +110,13 @@ def rank_side(weights: Path, rounds: int, out: Path) -> None:
         state = get_optimizer_state_dict(parallel.plain, optimizer.optimizers)
         flat = {f"{n}.{k}": v for n, entry in state["state"].items() for k, v in entry.items()}
         writer = HuggingFaceStorageWriter(str(scratch / f"async{round_}"), save_distributed=True)
-        future = timed("optimizer_shards_async_return", dcp.async_save, flat, storage_writer=writer)
+        future = timed(
+            "optimizer_shards_async_return",
+            dcp.async_save,
+            flat,
+            storage_writer=writer,
+            process_group=async_group,
+        )
         timed("optimizer_shards_async_finish", future.result)
     (out / f"rank{context.rank}.json").write_text(json.dumps(times))
     leave_process_group()
