@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from model.weights import read_metadata
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.init_from.local import resolve_local
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainingError, TrainSettings, fit, read_metrics
+from tasks.training import TrainingError, TrainSettings, consolidate, fit, read_metrics
 from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
 from tasks.training.checkpoint_weights import whole_weights
 from tasks.training.faults import ENV_VAR
@@ -102,7 +100,11 @@ def resume_copy(source: str | Path, target: Path, step: int) -> Path:
 
 
 def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
-    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    dataset: DatasetRef,
+    tiny: ModelRef,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     single = fit(tiny, dataset, run_settings(1), tmp_path / "single", progress=False)
 
@@ -130,13 +132,9 @@ def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
 
     # The registered weights, consolidated from the slices: the original module's whole state dict, as
     # one process writes it (names, dtypes, shapes, metadata).
-    done = subprocess.run(
-        [sys.executable, "-m", "tasks.training.consolidate", fsdp.path],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    whole = Path(done.stdout.strip())
+    capsys.readouterr()
+    consolidate.main([fsdp.path])  # `python -m tasks.training.consolidate STEP_DIR`, in this process
+    whole = Path(capsys.readouterr().out.strip())
     assert whole == Path(fsdp.path) / "model.safetensors" and whole_weights(Path(fsdp.path)) == whole
     a, b = load_file(str(whole)), load_file(str(Path(single.path) / "model.safetensors"))
     assert read_metadata(whole) == read_metadata(Path(single.path) / "model.safetensors")
