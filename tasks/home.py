@@ -128,6 +128,9 @@ def apply_embedded_defaults() -> None:
         "TORCHINDUCTOR_CACHE_DIR": str(home() / "inductor-cache"),
         # Offline, a new temporary server's telemetry logged a "database is locked" ERROR at start-up.
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Outside the checkout pyproject.toml's 120 s is not read, and the 20 s default failed a run on a
+        # loaded host before its temporary server answered.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

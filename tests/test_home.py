@@ -111,8 +111,9 @@ def test_a_worker_flow_run_without_a_home_is_warned_that_its_caches_die_with_the
 def test_a_run_outside_the_checkout_starts_its_temporary_prefect_server_with_analytics_off(
     tmp_path: Path,
 ) -> None:
-    """pyproject.toml turns Prefect's analytics off only where it is read (the checkout); elsewhere the
-    temporary server's telemetry logged an ERROR offline. The server reports its own settings."""
+    """pyproject.toml turns Prefect's analytics off and gives the temporary server 120 s to start only where
+    it is read (the checkout); elsewhere the telemetry logged an ERROR offline and the 20 s default failed
+    runs on a loaded host. The server reports its own settings."""
     script = (
         "from tasks.home import apply_embedded_defaults\n"
         "apply_embedded_defaults()\n"
@@ -123,16 +124,18 @@ def test_a_run_outside_the_checkout_starts_its_temporary_prefect_server_with_ana
         "    api = str(get_client(sync_client=True).api_url).rstrip('/')\n"
         "    return httpx.get(f'{api}/admin/settings').json()['server']['analytics_enabled']\n"
         "print('analytics', check())\n"
+        "from prefect.settings import get_current_settings\n"
+        "print('startup timeout', get_current_settings().server.ephemeral.startup_timeout_seconds)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LLAMAFLOW_"))}
     env.update(
         PYTHONPATH=str(REPO),
         PREFECT_HOME=str(tmp_path / "prefect"),
         LLAMAFLOW_HOME=str(tmp_path / "home"),
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
     )
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "analytics False" in run.stdout.splitlines()
+    assert "startup timeout 120" in run.stdout.splitlines()
