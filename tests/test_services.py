@@ -42,7 +42,7 @@ from flows.services.processes import (
     start_mark,
     stop_tree,
 )
-from prefect_server import TINY_RUN
+from prefect_server import TINY_RUN, cli_flags
 
 pytestmark = pytest.mark.e2e
 MLFLOW_WORKERS = 1  # one uvicorn process: the smallest server that is still the real one
@@ -371,17 +371,6 @@ def _auth_client(services: stores.Services):
     return AuthServiceClient(services.mlflow_tracking_uri)
 
 
-def _cli_flags(config: dict[str, object]) -> list[str]:
-    flags = []
-    for key, value in config.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else f"--no-{key.replace('_', '-')}")
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
 def _with_userinfo(url: str, user: str, password: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{user}:{password}@{rest}"
@@ -432,7 +421,7 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
         LLAMAFLOW_PROMOTER_PASSWORD=promoter_env["LLAMAFLOW_PROMOTER_PASSWORD"],
     )
     done = subprocess.run(
-        [sys.executable, "-m", "flows.pretrain", *_cli_flags(RUN)],
+        [sys.executable, "-m", "flows.pretrain", *cli_flags(RUN)],
         cwd=place,
         env=env,
         capture_output=True,

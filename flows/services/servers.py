@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from flows.services.mlflow_policy import ROLES_VARIABLE
 from flows.services.processes import ProcessIdentity, scrubbed_env, start_detached, wait_http
@@ -27,6 +28,7 @@ from flows.services.state import (
     Secrets,
     ServerRecord,
     Services,
+    url_host,
     write_private,
 )
 from tasks.network import is_loopback
@@ -78,7 +80,7 @@ def write_roles(services: Services, secrets: Secrets) -> None:
 def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
     root = Path(services.root)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    args = [prefect, "server", "start", "--host", services.host, "--port", str(services.prefect_port)]
+    args = [prefect, "server", "start", "--host", services.bind_host, "--port", str(services.prefect_port)]
     env = {
         "PREFECT_HOME": str(root / "prefect"),
         "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg", user="prefect"),
@@ -94,7 +96,7 @@ def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
             "PGPASSWORD": secrets.database_passwords["prefect"],
             "PREFECT_SERVER_API_AUTH_STRING": secrets.prefect_auth_string,
         }
-    health = f"http://{_probe_host(services)}:{services.prefect_port}/api/health"
+    health = f"http://{probe_host(services.bind_host)}:{services.prefect_port}/api/health"
     return Launch([*args, "--analytics-off"], env, secret_env, health, root / "prefect-server.log")
 
 
@@ -105,7 +107,7 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         mlflow,
         "server",
         "--host",
-        services.host,
+        services.bind_host,
         "--port",
         str(services.mlflow_port),
         "--backend-store-uri",
@@ -120,11 +122,15 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         "--uvicorn-opts",
         "--timeout-worker-healthcheck 60",
     ]
-    if not is_loopback(services.host):
-        # MLflow answers only Host headers it knows (DNS rebinding): localhost and private addresses by default.
-        public = services.public_host
-        args += ["--allowed-hosts", f"localhost,localhost:*,127.0.0.1,127.0.0.1:*,{public},{public}:*"]
-    health = f"http://{_probe_host(services)}:{services.mlflow_port}/health"
+    public = urlsplit(services.mlflow_tracking_uri)
+    if not is_loopback(services.host) or public.hostname not in ("localhost", LOOPBACK):
+        # MLflow answers only Host headers it knows (DNS rebinding): localhost and private addresses by
+        # default; and state-changing requests (the UI's POSTs) from browser origins on localhost only.
+        name = url_host(public.hostname or LOOPBACK)
+        hosts = ["localhost", "localhost:*", LOOPBACK, f"{LOOPBACK}:*", name, f"{name}:*"]
+        origin = f"{public.scheme}://{name}" + (f":{public.port}" if public.port else "")
+        args += ["--allowed-hosts", ",".join(dict.fromkeys(hosts)), "--cors-allowed-origins", origin]
+    health = f"http://{probe_host(services.bind_host)}:{services.mlflow_port}/health"
     if secrets is None:
         return Launch(args, {}, {}, health, root / "mlflow-server.log")
     env = {
@@ -148,10 +154,9 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
     )
 
 
-def _probe_host(services: Services) -> str:
-    """Where this machine asks a server whether it is up: loopback when it listens on every address."""
-    host = LOOPBACK if services.host in ("0.0.0.0", "::", "") else services.host
-    return f"[{host}]" if ":" in host else host
+def probe_host(bound: str) -> str:
+    """Where this machine asks a server bound to `bound` whether it is up: loopback for every address."""
+    return url_host(LOOPBACK if bound in ("0.0.0.0", "::", "") else bound)
 
 
 def _auth_config(services: Services) -> str:
@@ -192,6 +197,6 @@ def start(
     record = ServerRecord(pid, identity.started, list(identity.cmdline), launch.fingerprint)
     services.servers[name] = record
     on_started(services)
-    what = "the Prefect server" if name == "prefect" else "the MLflow server"
+    what = {"prefect": "the Prefect server", "mlflow": "the MLflow server"}.get(name, f"the {name}")
     wait_http(launch.health_url, pid, launch.log, what, timeout_s)
     return record
