@@ -147,6 +147,21 @@ def test_champion_is_rescored_on_other_validation_text(world: World, sqlite_stor
     assert fewer.champion_bits_per_byte == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_score_tag_forged_on_the_champion_does_not_move_the_alias(world: World, sqlite_store: str) -> None:
+    """A worker may rewrite the tags of the versions it registered (EDIT on the model): the champion's
+    `llamaflow.bits_per_byte` made to look bad must not let a worse model take `@champion`. The decision
+    reuses only the score it recorded itself (`llamaflow.promoter_score`, which only promoters may write
+    on a flows.services server: test_services.py)."""
+    name = "llamaflow-forged"
+    champion = _register(world, world.trained, world.dataset, name)
+    client = tracking_store.get_client()
+    client.set_model_version_tag(name, champion.version, register.TAG_BITS_PER_BYTE, "99.0")
+    challenger = _register(world, world.random_init, world.dataset, name)
+    assert champion.promoted and not challenger.promoted
+    assert str(client.get_model_version_by_alias(name, "champion").version) == champion.version
+    assert challenger.champion_bits_per_byte == champion.bits_per_byte
+
+
 def test_a_champion_with_another_vocabulary_is_compared_in_bits_per_byte_and_replaced(
     world: World, sqlite_store: str
 ) -> None:

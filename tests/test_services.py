@@ -43,6 +43,7 @@ from flows.services.processes import (
     stop_tree,
 )
 from prefect_server import TINY_RUN, cli_flags
+from tasks.registry.decision import TAG_PROMOTED
 
 pytestmark = pytest.mark.e2e
 MLFLOW_WORKERS = 1  # one uvicorn process: the smallest server that is still the real one
@@ -282,6 +283,21 @@ def _refusals(attempts: dict[str, Callable[[], object]]) -> dict[str, Exception]
     return errors
 
 
+def _forgeries(client, version: str) -> dict[str, Callable[[], object]]:  # noqa: ANN001
+    """Writes of the promotion decision's tags, which later decisions trust (`DECISION_TAGS`)."""
+    from tasks.registry.decision import TAG_PROMOTER_SCORE
+
+    record = '{"bits_per_byte": "0.001", "validation_text": "x", "dtype": "fp32"}'
+    tag = client.set_model_version_tag
+    return {
+        "forge the decision's score": lambda: tag("llamaflow-tiny", version, TAG_PROMOTER_SCORE, record),
+        "mark its version promoted": lambda: tag("llamaflow-tiny", version, TAG_PROMOTED, "true"),
+        "remove the decision's mark": lambda: client.delete_model_version_tag(
+            "llamaflow-tiny", version, TAG_PROMOTED
+        ),
+    }
+
+
 def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_promote_or_manage_users(
     services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,7 +314,15 @@ def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_promote_or_m
     version = client.create_model_version(
         "llamaflow-tiny", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
     ).version
+    client.set_model_version_tag("llamaflow-tiny", version, "note", "its own tags are the worker's")
     forbidden = {
+        **_forgeries(client, version),
+        "create a version with a decision tag": lambda: client.create_model_version(
+            "llamaflow-tiny",
+            source=f"{run.info.artifact_uri}/model",
+            run_id=run.info.run_id,
+            tags={TAG_PROMOTED: "true"},
+        ),
         "move an alias": lambda: client.set_registered_model_alias("llamaflow-tiny", "champion", version),
         "delete a version": lambda: client.delete_model_version("llamaflow-tiny", version),
         "write an experiment not granted": lambda: client.create_run(elsewhere),
@@ -338,6 +362,8 @@ def test_the_promoter_moves_aliases_and_holds_the_promotion_lock(
         assert lease.held()
     assert client.get_model_version_by_alias("llamaflow-tiny", "probe-champion").version == version
     promoter.delete_registered_model_alias("llamaflow-tiny", "probe-champion")  # the fence's undo does
+    for write in _forgeries(promoter, version).values():  # the decision's tags: the promoter's to write
+        write()
 
 
 def test_a_reader_holds_no_prefect_secret_and_writes_nothing(
