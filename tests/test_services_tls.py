@@ -136,3 +136,27 @@ def test_a_tiny_run_with_env_sh_completes_over_tls_and_stores_no_password(
                 stored.append((str(path), path.read_bytes()))
     assert any(name.endswith("stunnel.log") for name, _ in stored)
     assert [(name, s[:4]) for name, data in stored for s in secrets if s.encode() in data] == []
+
+
+def test_tls_is_on_beyond_loopback_and_bad_tls_options_are_named_with_the_fix(tmp_path: Path) -> None:
+    services, _ = stores.configure(tmp_path / "a", host="0.0.0.0", public_host="stores.example")
+    assert services.tls and services.bind_host == "127.0.0.1"
+    assert services.mlflow_tracking_uri == f"https://stores.example:{services.proxy_ports['mlflow']}"
+    assert "REQUESTS_CA_BUNDLE" in services.client_env()
+    own = TlsOptions(
+        public_urls={"mlflow": "https://mlflow.example.org/", "prefect": "https://p.example.org"}
+    )
+    services, _ = stores.configure(tmp_path / "b", host="198.18.0.1", tls_options=own)
+    assert not services.tls and services.bind_host == "198.18.0.1"  # the user's proxy reaches them there
+    assert services.mlflow_tracking_uri == "https://mlflow.example.org"
+    assert services.prefect_api_url == "https://p.example.org/api"
+    refused = {
+        "go together": TlsOptions(cert=str(tmp_path / "c.pem")),
+        "in clear": TlsOptions(public_urls={"mlflow": "http://mlflow.example.org"}),
+        "no credentials": TlsOptions(public_urls={"mlflow": "https://u:p@mlflow.example.org"}),
+        "expected prefect=URL": TlsOptions(public_urls={"minio": "https://x.example.org"}),
+        "drop --tls": TlsOptions(tls=True, public_urls={"mlflow": "https://mlflow.example.org"}),
+    }
+    for fix, options in refused.items():
+        with pytest.raises(stores.ServicesError, match=fix):
+            stores.configure(tmp_path / "c", host="0.0.0.0", tls_options=options)
