@@ -684,6 +684,31 @@ def test_authentication_is_on_by_default_and_never_turned_off(tmp_path: Path) ->
     assert stores.configure(tmp_path / "plain")[0].auth  # no flag: on, on loopback too
 
 
+def test_an_object_store_gets_its_variables_and_nothing_else_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The servers' environment is scrubbed, but an S3 artifact destination needs the AWS variables of
+    `up`'s environment: the MLflow server gets them (as secrets: names, not values, in services.json),
+    the Prefect server and a local destination do not."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-canary")
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    local, kept = stores.configure(tmp_path / "local")
+    assert not [
+        k for k in servers.mlflow_launch(local, kept, 1).secret_env if k.startswith(("AWS_", "MLFLOW_S3"))
+    ]
+    s3, kept = stores.configure(tmp_path / "s3", artifacts_destination="s3://bucket/mlflow")
+    launch = servers.mlflow_launch(s3, kept, 1)
+    assert "s3://bucket/mlflow" in launch.args
+    assert {k: launch.secret_env[k] for k in ("AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")} == {
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-canary",
+        "MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:9000",
+    }
+    assert "aws-secret-canary" not in " ".join(launch.fingerprint)
+    prefect = servers.prefect_launch(s3, kept)
+    assert not [k for k in {**prefect.env, **prefect.secret_env} if k.startswith("AWS_")]
+
+
 def test_no_auth_warns_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from flows.services import __main__ as cli
 

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(https; it forwards to the server's --host and port); `up` then starts no proxy of its own",
     )
     parser.add_argument(
+        "--artifacts-destination",
+        default=None,
+        help="up: where the MLflow server keeps artifacts (default DIR/mlflow-artifacts; e.g. s3://bucket/mlflow: "
+        "the store's variables of up's environment, AWS_* for S3, are passed to the MLflow server only)",
+    )
+    parser.add_argument(
         "--no-auth",
         action="store_true",
         help="up: no authentication (loopback only, refused for a directory that had it): every local user "
@@ -133,6 +139,7 @@ def _up(args: argparse.Namespace, root: Path) -> None:
         timeout_s=args.timeout,
         mlflow_workers=args.mlflow_workers,
         tls_options=tls,
+        artifacts_destination=args.artifacts_destination,
     )
     print(
         f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "

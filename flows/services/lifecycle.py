@@ -62,6 +62,7 @@ def configure(
     no_auth: bool = False,
     pg_user: str = "nobody",
     tls_options: TlsOptions | None = None,
+    artifacts_destination: str | None = None,
 ) -> tuple[Services, Secrets | None]:
     """The services of `root` as asked (its saved state, then the arguments), and their secrets when
     authentication is on; nothing is started. Authentication is on unless `no_auth`, which is refused
@@ -90,6 +91,8 @@ def configure(
             "without it, `down` and remove the directory, losing its data)"
         )
     services.auth = not no_auth
+    if artifacts_destination is not None:
+        services.artifacts_destination = artifacts_destination
     (tls_options or TlsOptions()).apply(services, host_given=host is not None)
     if services.tls:
         for name in servers.SERVERS:
@@ -107,6 +110,7 @@ def up(
     timeout_s: float = 180.0,
     mlflow_workers: int = 2,
     tls_options: TlsOptions | None = None,
+    artifacts_destination: str | None = None,
 ) -> Services:
     """Start whatever of the three (and the TLS proxy) is not running as asked (see `configure`); returns
     the services (URLs, ports, processes)."""
@@ -118,6 +122,7 @@ def up(
             no_auth=no_auth,
             pg_user=pg_user,
             tls_options=tls_options,
+            artifacts_destination=artifacts_destination,
         )
         return _up(services, secrets, timeout_s, mlflow_workers)
 

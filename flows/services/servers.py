@@ -13,6 +13,7 @@ can read); that environment holds nothing else of the operator's (`processes.scr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,34 @@ AUTH_CONFIG = "mlflow-auth.ini"
 # grant); writing needs EDIT on the experiment or model, given by `python -m flows.services add-user`.
 DEFAULT_PERMISSION = "READ"
 POLICY_FUNCTION = "flows.services.mlflow_policy:authenticate"
+# Read from `up`'s environment for an object store as the artifact destination (`--artifacts-destination`),
+# for the MLflow server only: the clients' uploads go through it (`--serve-artifacts`).
+OBJECT_STORE_VARIABLES = {
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_PROFILE",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_CA_BUNDLE",
+        "MLFLOW_S3_ENDPOINT_URL",
+        "MLFLOW_S3_IGNORE_TLS",
+        "MLFLOW_S3_UPLOAD_EXTRA_ARGS",
+    ),
+    "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"),
+    "wasbs": (
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_ACCESS_KEY",
+        "AZURE_CLIENT_ID",
+        "AZURE_TENANT_ID",
+        "AZURE_CLIENT_SECRET",
+    ),
+}
 # The repository holding `flows`: the MLflow server imports the policy from the code that started it.
 CODE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,7 +143,7 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         services.database_url("mlflow", "psycopg", user="mlflow"),
         "--serve-artifacts",
         "--artifacts-destination",
-        str(root / "mlflow-artifacts"),
+        services.artifacts_destination or str(root / "mlflow-artifacts"),
         "--workers",
         str(workers),
         # uvicorn kills a worker that misses a 5 s health check: on a loaded machine, one still importing
@@ -131,14 +160,16 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         origin = f"{public.scheme}://{name}" + (f":{public.port}" if public.port else "")
         args += ["--allowed-hosts", ",".join(dict.fromkeys(hosts)), "--cors-allowed-origins", origin]
     health = f"http://{probe_host(services.bind_host)}:{services.mlflow_port}/health"
+    store_env = object_store_env(services.artifacts_destination)
     if secrets is None:
-        return Launch(args, {}, {}, health, root / "mlflow-server.log")
+        return Launch(args, {}, store_env, health, root / "mlflow-server.log")
     env = {
         "MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG),
         "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER,
         ROLES_VARIABLE: str(root / ROLES_FILE),
     }
     secret_env = {
+        **store_env,
         "PGPASSWORD": secrets.database_passwords["mlflow"],
         "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.mlflow_admin_password,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.mlflow_flask_secret_key,
@@ -152,6 +183,15 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         root / AUTH_CONFIG,
         _auth_config(services),
     )
+
+
+def object_store_env(destination: str) -> dict[str, str]:
+    """What the MLflow server needs of this process's environment to reach an object store as its artifact
+    destination (credentials, region, endpoint: passed as secrets, their values kept out of services.json);
+    nothing for a local directory."""
+    scheme = urlsplit(destination).scheme
+    names = OBJECT_STORE_VARIABLES.get("s3" if scheme.startswith("s3") else scheme, ())
+    return {name: os.environ[name] for name in names if name in os.environ}
 
 
 def probe_host(bound: str) -> str:

@@ -85,6 +85,7 @@ class Services:
     tls_cert: str = ""
     tls_key: str = ""
     public_urls: dict[str, str] = field(default_factory=dict)
+    artifacts_destination: str = ""  # the MLflow server's (an object store's URI); "": DIR/mlflow-artifacts
 
     @property
     def bind_host(self) -> str:
