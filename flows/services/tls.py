@@ -125,7 +125,9 @@ def _ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         assert isinstance(key, ec.EllipticCurvePrivateKey)  # the one _ca wrote
         return cert, key
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llamaflow services CA {folder.parent}")])
+    # A common name is at most 64 characters: the directory by a digest of its path.
+    which = hashlib.sha256(str(folder.parent).encode()).hexdigest()[:16]
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llamaflow services CA {which}")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
@@ -164,7 +166,7 @@ def _issue(folder: Path, names: list[str]) -> None:
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
