@@ -251,6 +251,24 @@ def test_the_mlflow_ui_posts_from_the_public_origin_only(services: stores.Servic
         assert status == expected, origin
 
 
+def test_the_mlflow_ui_offers_logout_to_each_user(
+    services: stores.Services, worker_env: dict[str, str]
+) -> None:
+    """The UI shows its logout (and change-password) entries only when `users/current` says basic auth."""
+    env = services.client_env()
+    url = f"{services.mlflow_tracking_uri}/ajax-api/2.0/mlflow/users/current"
+    for user, password, admin in (
+        (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"], True),
+        ("worker", worker_env["MLFLOW_TRACKING_PASSWORD"], False),
+    ):
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            current = json.loads(answer.read())
+        assert current["is_basic_auth"] is True
+        assert (current["user"]["username"], current["user"]["is_admin"]) == (user, admin)
+
+
 def test_the_servers_environment_holds_nothing_of_the_operators(services: stores.Services) -> None:
     postmaster = postgres.postmaster(services)
     assert postmaster is not None

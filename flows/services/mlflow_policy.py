@@ -15,6 +15,10 @@ does, then refuses (403), before MLflow's own checks:
   versions, but cannot forge what the decision trusts;
 - any request of a read-only user but a read (GET, or a POST to a search or get endpoint).
 
+MLflow's UI shows its logout and change-password entries only when `users/current` says `is_basic_auth`,
+which MLflow decides by comparing the configured function's name with its own; this one is MLflow's basic
+authentication plus the refusals above, so it answers that route itself as MLflow does, flag set.
+
 Who is who comes from `mlflow-roles.json` in the services directory (`LLAMAFLOW_MLFLOW_ROLES` names it),
 written by `up` and `add-user`, re-read when it changes: no restart.
 """
@@ -35,6 +39,7 @@ ALIAS_ROUTE = "/registered-models/alias"
 _TAG_ROUTES = ("/model-versions/set-tag", "/model-versions/delete-tag")
 _CREATE_VERSION_ROUTE = "/model-versions/create"
 _READ_METHODS = ("GET", "HEAD", "OPTIONS")
+_CURRENT_USER_ROUTE = "/mlflow/users/current"
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 
@@ -84,7 +89,7 @@ def allowed(user: str, method: str, path: str, body: Mapping[str, Any] | None = 
 
 def authenticate():
     """MLflow's basic authentication, then `allowed` (a 403 when it says no)."""
-    from flask import request
+    from flask import jsonify, request
     from mlflow.server import auth
 
     result = auth.authenticate_request_basic_auth()
@@ -95,4 +100,9 @@ def authenticate():
         body = request.args.to_dict()  # a DELETE's parameters may come in the query string
     if not allowed(result.username, request.method, request.path, body):
         return auth.make_forbidden_response()
+    if request.method == "GET" and request.path.rstrip("/").endswith(_CURRENT_USER_ROUTE):
+        # MLflow's `get_current_user` would call this function again; its answer, with the flag set
+        user = auth.store.get_user(result.username)
+        identity = {"id": user.id, "username": user.username, "is_admin": user.is_admin}
+        return jsonify({"user": identity, "is_basic_auth": True})
     return result
