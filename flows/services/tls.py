@@ -96,7 +96,6 @@ def stunnel() -> str:
 
 
 def _name(host: str) -> x509.GeneralName:
-
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
@@ -104,7 +103,6 @@ def _name(host: str) -> x509.GeneralName:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
-
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
