@@ -4,7 +4,8 @@
 #   make services / make services-down   PostgreSQL + Prefect server + MLflow server on free local ports
 #                (data under .llamaflow/services, or SERVICES_DIR=...); prints the two URLs to export.
 #                Authentication is always on (NO_AUTH=1: off, loopback only, for a throwaway directory);
-#                HOST=0.0.0.0 (or an address) listens beyond loopback. Credentials: SERVICES_DIR/env.sh (0600).
+#                HOST=0.0.0.0 (or an address) listens beyond loopback, over TLS (stunnel4; TLS=1 on loopback too;
+#                TLS_CERT=.. TLS_KEY=.. your certificate). Credentials and CA bundle: SERVICES_DIR/env.sh (0600).
 #   make services-user NAME=worker   a least-privilege MLflow user for workers (EXPERIMENTS="a b", MODELS="m";
 #                ROLE=promoter: may also move aliases, for the registering flow; ROLE=reader: reads only)
 #   make gpu-wheels   the cp312 wheels benchmarks/gpu_check.py needs beyond the GPU image (pydantic and its
@@ -21,12 +22,16 @@ ARGS ?=
 SERVICES_DIR ?=
 HOST ?=
 NO_AUTH ?=
+TLS ?=
+TLS_CERT ?=
+TLS_KEY ?=
 ROLE ?=
 NAME ?= worker
 EXPERIMENTS ?=
 MODELS ?=
 SERVICES_ARGS = $(if $(SERVICES_DIR),--dir $(SERVICES_DIR))
-SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1 yes true on,$(NO_AUTH)),--no-auth)
+SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1 yes true on,$(NO_AUTH)),--no-auth) \
+	$(if $(filter 1 yes true on,$(TLS)),--tls) $(if $(TLS_CERT),--tls-cert $(TLS_CERT) --tls-key $(TLS_KEY))
 
 # Install also migrates the embedded Prefect server's database (PREFECT_HOME), once, instead of the first run
 # (8-10 s of a cold `make train` on 2 cores).

@@ -43,6 +43,8 @@ from tasks.registry.decision import (
     TAG_PROMOTED,
     decide,
     number,
+    recorded_score,
+    score_record,
 )
 from tasks.registry.promoter import promoter_client, refused
 from tasks.registry.publish import log_version
@@ -119,10 +121,9 @@ def _champion_bits_per_byte(
     from tasks.lookup import download_model_files
 
     tags = champion.tags
-    same_text = (
-        tags.get(TAG_TEXT) == eval_result.text_fingerprint and tags.get(TAG_EVAL_DTYPE) == eval_result.dtype
-    )
-    if same_text and (recorded := number(tags.get(TAG_BITS_PER_BYTE))) is not None:
+    # The number its own decision recorded, never the registering worker's tags (which it may rewrite).
+    recorded = recorded_score(tags, eval_result.text_fingerprint, eval_result.dtype)
+    if recorded is not None:
         return recorded, "recorded on the same validation text"
 
     text = validation_text(dataset, tokenizer, eval_result.max_blocks)
@@ -246,7 +247,15 @@ def register_model(
         decider = promoter_client(uri) or client  # the alias moves by the promoter's hand, when there is one
         try:
             decide(
-                decider, version, eval_result.bits_per_byte, score_champion, alias=alias, promotion=promotion
+                decider,
+                version,
+                eval_result.bits_per_byte,
+                score_champion,
+                alias=alias,
+                promotion=promotion,
+                record=score_record(
+                    eval_result.bits_per_byte, eval_result.text_fingerprint, eval_result.dtype
+                ),
             )
         except MlflowException as exc:
             raise (refused(exc, alias, model_name) or exc) from exc

@@ -306,3 +306,15 @@ def flow_run_logs(flow_run_id: UUID) -> list[str]:
         return [
             r.message for r in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
         ]
+
+
+def cli_flags(config: dict[str, object]) -> list[str]:
+    """`python -m flows.pretrain`'s flags for a run configuration (`TINY_RUN`'s keys)."""
+    flags = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{key.replace('_', '-')}")
+        else:
+            flags += [flag, str(value)]
+    return flags

@@ -39,6 +39,7 @@ from tasks.refs import CheckpointRef, DatasetRef, EvalResult, RegisteredModel
 from tasks.tracking import store as tracking_store
 
 REPO = Path(register.__file__).resolve().parents[1]
+FORGED = "99.0"  # a champion's bits_per_byte tag rewritten by the worker that registered it
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +88,14 @@ def _logits(model: LlamaForPretraining) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def registered(world: World, sqlite_store: str) -> dict[str, RegisteredModel]:
-    """random init (champion) → trained (better, takes it) → other init (worse, does not)."""
+    """random init (champion) → trained (better, takes it) → other init (worse, does not, although the
+    champion's `llamaflow.bits_per_byte` was forged to 99 before: a worker may rewrite the tags of the
+    versions it registered, so the decision reuses only the score it recorded itself,
+    `llamaflow.promoter_score`, which only promoters may write on a flows.services server: test_services.py)."""
     first = _register(world, world.random_init, world.dataset, "llamaflow-test")
     better = _register(world, world.trained, world.dataset, "llamaflow-test")
+    client = tracking_store.get_client()
+    client.set_model_version_tag("llamaflow-test", better.version, register.TAG_BITS_PER_BYTE, FORGED)
     worse = _register(world, world.other_init, world.dataset, "llamaflow-test")
     return {"first": first, "better": better, "worse": worse}
 
@@ -112,12 +118,13 @@ def test_only_better_models_take_the_alias(world: World, registered: dict[str, R
     assert tags["1"][register.TAG_PROMOTED] == "true"
     assert tags["1"][register.TAG_CHAMPION_BITS_PER_BYTE] == "none"
     assert tags["2"][register.TAG_PROMOTED] == "true"
-    assert float(tags["2"][register.TAG_BITS_PER_BYTE]) == bpb_trained
+    assert float(tags["1"][register.TAG_BITS_PER_BYTE]) == bpb_init
+    assert tags["2"][register.TAG_BITS_PER_BYTE] == FORGED
     assert float(tags["2"][register.TAG_CHAMPION_BITS_PER_BYTE]) == bpb_init
     assert tags["2"][register.TAG_CHAMPION_VERSION] == "1"
     assert tags["3"][register.TAG_PROMOTED] == "false"
     assert float(tags["3"][register.TAG_BITS_PER_BYTE]) == bpb_other
-    assert float(tags["3"][register.TAG_CHAMPION_BITS_PER_BYTE]) == bpb_trained
+    assert float(tags["3"][register.TAG_CHAMPION_BITS_PER_BYTE]) == bpb_trained  # the record's, not FORGED
     assert tags["3"][register.TAG_COMPARISON] == "recorded on the same validation text"
     assert all(t[register.TAG_DATASET] == world.dataset.fingerprint for t in tags.values())
 

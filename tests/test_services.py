@@ -1,5 +1,9 @@
-"""`flows.services` as a plain `up` leaves it, on 127.0.0.1 (one set of stores for the module, started over
-the unauthenticated PostgreSQL cluster an older `up` left: the plain `up` migrates it): each server refuses a
+"""`flows.services` as an `up` without flags but `--tls` leaves it (one set of stores for the module, started
+over the unauthenticated PostgreSQL cluster an older `up` left: that `up` migrates it), with stunnel on
+127.0.0.2 in front of the servers on 127.0.0.1 as `--host` beyond loopback gets it (127.0.0.2 is neither
+localhost nor a default host to MLflow, so its checks of the public URL are those of a LAN address): the
+public ports speak TLS only, trusted through the directory's CA, and the MLflow UI's POST from the public
+origin is accepted (another origin's refused); each server refuses a
 request without credentials and accepts the clients'; another local user (`nobody`) gets into none of them
 and reads none of their files; each MLflow role can do what it says and nothing more (a test per refusal);
 the servers' environment holds nothing of the operator's; a whole tiny flow given its credentials inside
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -28,12 +34,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import certifi
 import psutil
 import pytest
 
 from flows import services as stores
-from flows.services import postgres, servers
+from flows.services import postgres, servers, tls
 from flows.services.processes import (
     ProcessIdentity,
     free_port,
@@ -42,13 +50,17 @@ from flows.services.processes import (
     start_mark,
     stop_tree,
 )
-from prefect_server import TINY_RUN
+from flows.services.state import CA_VARIABLES
+from flows.services.tls import TlsOptions
+from prefect_server import TINY_RUN, cli_flags
+from tasks.registry.decision import TAG_PROMOTED
 
 pytestmark = pytest.mark.e2e
 MLFLOW_WORKERS = 1  # one uvicorn process: the smallest server that is still the real one
 STRANGER = "nobody"  # another local user; the clusters of this module belong to PG_OWNER
 PG_OWNER = "daemon"
 LOOPBACK_HOST = "127.0.0.1"
+PUBLIC = "127.0.0.2"  # where stunnel listens (the TLS of `--host` beyond loopback)
 CANARY = "LLAMAFLOW_TEST_OPERATOR_SECRET"  # in the operator's environment when `up` runs
 # fp32: CPUs without AVX-512 BF16 run bf16 matmuls at a fraction of fp32's speed; precision is not under test.
 RUN = {**TINY_RUN, "max_steps": 4, "dtype": "fp32"}
@@ -79,7 +91,20 @@ def services(base: Path) -> Iterator[stores.Services]:
         save(older)
         os.environ[CANARY] = "operator-secret-canary"
         try:
-            yield stores.up(root, pg_user=PG_OWNER, mlflow_workers=MLFLOW_WORKERS)  # no flag: closed
+            up = stores.up(
+                root,
+                host=PUBLIC,
+                pg_user=PG_OWNER,
+                mlflow_workers=MLFLOW_WORKERS,
+                tls_options=TlsOptions(tls=True),
+            )
+            # This process's clients (urllib, MLflow's, Prefect's) trust the CA as env.sh tells them to.
+            trust = {k: v for k, v in up.client_env().items() if k in CA_VARIABLES}
+            assert sorted(trust) == sorted(CA_VARIABLES)
+            with pytest.MonkeyPatch.context() as patch:
+                for key, value in trust.items():
+                    patch.setenv(key, value)
+                yield up
         finally:
             del os.environ[CANARY]
     finally:
@@ -106,8 +131,8 @@ def reader_env(services: stores.Services) -> dict[str, str]:
     return _read_env(stores.add_user(services, "reader", read_only=True))
 
 
-def _status(url: str, body: object, auth: str | None = None) -> int:
-    headers = {"Content-Type": "application/json"}
+def _status(url: str, body: object, auth: str | None = None, origin: str | None = None) -> int:
+    headers = {"Content-Type": "application/json", **({"Origin": origin} if origin else {})}
     if auth is not None:
         headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
@@ -154,8 +179,9 @@ def _as_stranger(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _stranger_status(url: str) -> str:
-    done = _as_stranger("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", url, "-d", "{}")
-    return done.stdout
+    # -k: the CA bundle is the operator's file; what is tested is authentication, not trust
+    args = ["curl", "-k", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", url, "-d", "{}"]
+    return _as_stranger(*args).stdout
 
 
 @needs_root
@@ -168,8 +194,12 @@ def test_another_local_user_gets_into_no_store_after_a_plain_up(services: stores
         done = _as_stranger(psql, *login, "-c", "SELECT 1")
         assert done.returncode != 0 and "(1 row)" not in done.stdout, done.stdout
         assert "no password supplied" in done.stderr or "Permission denied" in done.stderr, done.stderr
-    assert _stranger_status(f"{services.prefect_api_url}/flows/filter") == "401"
-    assert _stranger_status(f"{services.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search") == "401"
+    for prefect, mlflow in (
+        (services.prefect_ui_url, services.mlflow_tracking_uri),  # through stunnel
+        (f"http://{LOOPBACK_HOST}:{services.prefect_port}", f"http://{LOOPBACK_HOST}:{services.mlflow_port}"),
+    ):
+        assert _stranger_status(f"{prefect}/api/flows/filter") == "401"
+        assert _stranger_status(f"{mlflow}/api/2.0/mlflow/experiments/search") == "401"
 
 
 def test_prefect_answers_cross_origin_requests_from_its_own_ui_only(services: stores.Services) -> None:
@@ -187,6 +217,56 @@ def test_prefect_answers_cross_origin_requests_from_its_own_ui_only(services: st
 
     assert preflight("http://evil.example") is None
     assert preflight(services.prefect_ui_url) == services.prefect_ui_url
+
+
+def test_the_public_ports_speak_tls_only_with_the_directorys_ca(services: stores.Services) -> None:
+    bundle = os.environ["SSL_CERT_FILE"]  # env.sh's, which the fixture set
+    for url in (services.mlflow_tracking_uri, services.prefect_api_url):
+        parts = urlsplit(url)
+        assert parts.scheme == "https" and parts.hostname == PUBLIC
+        plain = http.client.HTTPConnection(PUBLIC, parts.port, timeout=30)
+        with pytest.raises((http.client.HTTPException, ConnectionError)):  # no HTTP answer in clear
+            plain.request("GET", "/health")
+            plain.getresponse()
+        plain.close()
+    health = f"{services.mlflow_tracking_uri}/health"
+    with urllib.request.urlopen(health, timeout=60, context=ssl.create_default_context(cafile=bundle)) as ok:
+        assert ok.status == 200
+    public_cas = ssl.create_default_context(cafile=certifi.where())
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(health, timeout=60, context=public_cas)
+    for port in (services.mlflow_port, services.prefect_port):  # the servers: on 127.0.0.1 only
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((PUBLIC, port), timeout=10).close()
+    for key in ("ca-key.pem", "server-key.pem"):
+        assert (Path(services.root) / "tls" / key).stat().st_mode & 0o777 == 0o600
+
+
+def test_the_mlflow_ui_posts_from_the_public_origin_only(services: stores.Services) -> None:
+    env = services.client_env()
+    admin = f"{env['MLFLOW_TRACKING_USERNAME']}:{env['MLFLOW_TRACKING_PASSWORD']}"
+    search = f"{services.mlflow_tracking_uri}/ajax-api/2.0/mlflow/experiments/search"
+    for origin, expected in ((services.mlflow_tracking_uri, 200), ("https://evil.example", 403)):
+        status = _status(search, {"max_results": 1}, admin, origin=origin)  # a failure shows no password
+        assert status == expected, origin
+
+
+def test_the_mlflow_ui_offers_logout_to_each_user(
+    services: stores.Services, worker_env: dict[str, str]
+) -> None:
+    """The UI shows its logout (and change-password) entries only when `users/current` says basic auth."""
+    env = services.client_env()
+    url = f"{services.mlflow_tracking_uri}/ajax-api/2.0/mlflow/users/current"
+    for user, password, admin in (
+        (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"], True),
+        ("worker", worker_env["MLFLOW_TRACKING_PASSWORD"], False),
+    ):
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            current = json.loads(answer.read())
+        assert current["is_basic_auth"] is True
+        assert (current["user"]["username"], current["user"]["is_admin"]) == (user, admin)
 
 
 def test_the_servers_environment_holds_nothing_of_the_operators(services: stores.Services) -> None:
@@ -282,6 +362,21 @@ def _refusals(attempts: dict[str, Callable[[], object]]) -> dict[str, Exception]
     return errors
 
 
+def _forgeries(client, version: str) -> dict[str, Callable[[], object]]:  # noqa: ANN001
+    """Writes of the promotion decision's tags, which later decisions trust (`DECISION_TAGS`)."""
+    from tasks.registry.decision import TAG_PROMOTER_SCORE
+
+    record = '{"bits_per_byte": "0.001", "validation_text": "x", "dtype": "fp32"}'
+    tag = client.set_model_version_tag
+    return {
+        "forge the decision's score": lambda: tag("llamaflow-tiny", version, TAG_PROMOTER_SCORE, record),
+        "mark its version promoted": lambda: tag("llamaflow-tiny", version, TAG_PROMOTED, "true"),
+        "remove the decision's mark": lambda: client.delete_model_version_tag(
+            "llamaflow-tiny", version, TAG_PROMOTED
+        ),
+    }
+
+
 def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_promote_or_manage_users(
     services: stores.Services, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,7 +393,15 @@ def test_the_worker_user_writes_runs_and_versions_but_cannot_delete_promote_or_m
     version = client.create_model_version(
         "llamaflow-tiny", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
     ).version
+    client.set_model_version_tag("llamaflow-tiny", version, "note", "its own tags are the worker's")
     forbidden = {
+        **_forgeries(client, version),
+        "create a version with a decision tag": lambda: client.create_model_version(
+            "llamaflow-tiny",
+            source=f"{run.info.artifact_uri}/model",
+            run_id=run.info.run_id,
+            tags={TAG_PROMOTED: "true"},
+        ),
         "move an alias": lambda: client.set_registered_model_alias("llamaflow-tiny", "champion", version),
         "delete a version": lambda: client.delete_model_version("llamaflow-tiny", version),
         "write an experiment not granted": lambda: client.create_run(elsewhere),
@@ -338,6 +441,8 @@ def test_the_promoter_moves_aliases_and_holds_the_promotion_lock(
         assert lease.held()
     assert client.get_model_version_by_alias("llamaflow-tiny", "probe-champion").version == version
     promoter.delete_registered_model_alias("llamaflow-tiny", "probe-champion")  # the fence's undo does
+    for write in _forgeries(promoter, version).values():  # the decision's tags: the promoter's to write
+        write()
 
 
 def test_a_reader_holds_no_prefect_secret_and_writes_nothing(
@@ -371,17 +476,6 @@ def _auth_client(services: stores.Services):
     return AuthServiceClient(services.mlflow_tracking_uri)
 
 
-def _cli_flags(config: dict[str, object]) -> list[str]:
-    flags = []
-    for key, value in config.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else f"--no-{key.replace('_', '-')}")
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
 def _with_userinfo(url: str, user: str, password: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{user}:{password}@{rest}"
@@ -409,7 +503,8 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
     services: stores.Services, worker_env: dict[str, str], promoter_env: dict[str, str], base: Path
 ) -> None:
     """The issue's reproduction: MLFLOW_TRACKING_URI=http://worker:PASSWORD@... (and the Prefect API URL
-    alike) on the command line. The run registers as the least-privilege worker and its promotion step
+    alike) on the command line, over TLS (the proxy's https URLs; the CA bundle the worker's env file names,
+    as env.sh does). The run registers as the least-privilege worker and its promotion step
     moves `@champion` as the promoter; then everything it printed and everything both stores hold (their
     databases, artifact files, logs) is searched."""
     root = Path(services.root)
@@ -431,8 +526,9 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
         LLAMAFLOW_PROMOTER_USERNAME=promoter_env["LLAMAFLOW_PROMOTER_USERNAME"],
         LLAMAFLOW_PROMOTER_PASSWORD=promoter_env["LLAMAFLOW_PROMOTER_PASSWORD"],
     )
+    env.update({key: worker_env[key] for key in CA_VARIABLES})  # TLS: the worker's env file's CA bundle
     done = subprocess.run(
-        [sys.executable, "-m", "flows.pretrain", *_cli_flags(RUN)],
+        [sys.executable, "-m", "flows.pretrain", *cli_flags(RUN)],
         cwd=place,
         env=env,
         capture_output=True,
@@ -470,6 +566,7 @@ def test_a_tiny_flow_given_credentials_inside_its_uris_completes_and_stores_none
     stored += [(str(p), data) for p, data in _texts_under(home, set())]
     assert run.info.run_id.encode() in b"".join(data for _, data in stored[1:3])  # the search sees the run
     assert any("mlflow-artifacts" in name for name, _ in stored)  # and its artifact files
+    assert any(name.endswith("stunnel.log") for name, _ in stored)  # and the proxy's log
     secrets = [mlflow_password, prefect_password, kept.postgres_password, kept.mlflow_admin_password]
     secrets.append(promoter_env["LLAMAFLOW_PROMOTER_PASSWORD"])
     leaks = [(name, secret[:4]) for name, data in stored for secret in secrets if secret.encode() in data]
@@ -607,9 +704,7 @@ def test_the_flow_run_url_tag_holds_no_credentials(services: stores.Services) ->
         updates={PREFECT_API_URL: _with_userinfo(services.prefect_api_url, "admin", prefect_password)}
     ):
         tags = tagged()
-    assert tags["prefect.flow_run_url"].startswith(
-        services.prefect_ui_url.replace("http://", "http://admin:***@")
-    )
+    assert tags["prefect.flow_run_url"].startswith(services.prefect_ui_url.replace("://", "://admin:***@"))
     assert prefect_password not in json.dumps(tags)
 
 
@@ -621,7 +716,7 @@ def test_a_failed_up_stops_only_what_it_started(services: stores.Services) -> No
     with pytest.raises(Exception, match="MLflow server"):
         stores.up(root, pg_user=PG_OWNER, mlflow_workers=MLFLOW_WORKERS, timeout_s=0.5)
     after = stores.load(root)
-    assert stores.running(after) == {"postgres": True, "prefect": True, "mlflow": False}
+    assert stores.running(after) == {"postgres": True, "prefect": True, "mlflow": False, tls.PROXY: True}
     assert after.servers["prefect"] == prefect  # the same process, untouched
 
 
@@ -658,7 +753,9 @@ def test_authentication_is_on_by_default_and_never_turned_off(tmp_path: Path) ->
     assert "basic-auth" in mlflow.args and "--allowed-hosts" in mlflow.args
     assert prefect.secret_env["PREFECT_SERVER_API_AUTH_STRING"] == secrets.prefect_auth_string
     assert mlflow.secret_env["MLFLOW_AUTH_ADMIN_PASSWORD"] == secrets.mlflow_admin_password
-    assert "0.0.0.0" in prefect.args and "0.0.0.0" not in services.prefect_api_url  # clients get a name
+    # beyond loopback: the servers on loopback behind stunnel on every address; clients get a name, https
+    assert "127.0.0.1" in prefect.args and "accept = 0.0.0.0:" in tls.proxy_launch(services).config
+    assert services.prefect_api_url.startswith("https://") and "0.0.0.0" not in services.prefect_api_url
     from flows.services.state import save
 
     save(services)
@@ -667,6 +764,55 @@ def test_authentication_is_on_by_default_and_never_turned_off(tmp_path: Path) ->
     with pytest.raises(stores.ServicesError, match="never turned off: drop --no-auth"):
         stores.configure(tmp_path / "s", host="127.0.0.1", no_auth=True)
     assert stores.configure(tmp_path / "plain")[0].auth  # no flag: on, on loopback too
+
+
+def test_tls_is_on_beyond_loopback_and_bad_tls_options_are_named_with_the_fix(tmp_path: Path) -> None:
+    services, _ = stores.configure(tmp_path / "a", host="0.0.0.0", public_host="stores.example")
+    assert services.tls and services.bind_host == "127.0.0.1"
+    assert services.mlflow_tracking_uri == f"https://stores.example:{services.proxy_ports['mlflow']}"
+    assert "REQUESTS_CA_BUNDLE" in services.client_env()
+    own = TlsOptions(
+        public_urls={"mlflow": "https://mlflow.example.org/", "prefect": "https://p.example.org"}
+    )
+    services, _ = stores.configure(tmp_path / "b", host="198.18.0.1", tls_options=own)
+    assert not services.tls and services.bind_host == "198.18.0.1"  # the user's proxy reaches them there
+    assert services.mlflow_tracking_uri == "https://mlflow.example.org"
+    assert services.prefect_api_url == "https://p.example.org/api"
+    refused = {
+        "go together": TlsOptions(cert=str(tmp_path / "c.pem")),
+        "in clear": TlsOptions(public_urls={"mlflow": "http://mlflow.example.org"}),
+        "no credentials": TlsOptions(public_urls={"mlflow": "https://u:p@mlflow.example.org"}),
+        "expected prefect=URL": TlsOptions(public_urls={"minio": "https://x.example.org"}),
+        "drop --tls": TlsOptions(tls=True, public_urls={"mlflow": "https://mlflow.example.org"}),
+    }
+    for fix, options in refused.items():
+        with pytest.raises(stores.ServicesError, match=fix):
+            stores.configure(tmp_path / "c", host="0.0.0.0", tls_options=options)
+
+
+def test_an_object_store_gets_its_variables_and_nothing_else_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The servers' environment is scrubbed, but an S3 artifact destination needs the AWS variables of
+    `up`'s environment: the MLflow server gets them (as secrets: names, not values, in services.json),
+    the Prefect server and a local destination do not."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-canary")
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    local, kept = stores.configure(tmp_path / "local")
+    assert not [
+        k for k in servers.mlflow_launch(local, kept, 1).secret_env if k.startswith(("AWS_", "MLFLOW_S3"))
+    ]
+    s3, kept = stores.configure(tmp_path / "s3", artifacts_destination="s3://bucket/mlflow")
+    launch = servers.mlflow_launch(s3, kept, 1)
+    assert "s3://bucket/mlflow" in launch.args
+    assert {k: launch.secret_env[k] for k in ("AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")} == {
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-canary",
+        "MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:9000",
+    }
+    assert "aws-secret-canary" not in " ".join(launch.fingerprint)
+    prefect = servers.prefect_launch(s3, kept)
+    assert not [k for k in {**prefect.env, **prefect.secret_env} if k.startswith("AWS_")]
 
 
 def test_no_auth_warns_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -2,6 +2,7 @@
 tracking server on it (artifacts proxied by the MLflow server), on free ports, all data in one directory.
 
     python -m flows.services up [--dir DIR] [--host ADDR] [--no-auth]   # or `make services [HOST=..]`
+    python -m flows.services up --host ADDR [--tls-cert C --tls-key K | --public-url NAME=URL ...]
     python -m flows.services status [--dir DIR]
     python -m flows.services add-user NAME [--experiment E] [--model M] [--promoter | --read-only]
     python -m flows.services down [--dir DIR]    # or `make services-down`; data stays for the next `up`
@@ -13,7 +14,8 @@ with MLflow's basic-auth app and the roles of `flows.services.mlflow_policy` (wo
 an unauthenticated directory is migrated by the next `up`. Generated secrets live in `DIR/secrets.json`;
 `DIR/env.sh` exports the URLs and the administrator's credentials in the variables the clients read (never
 inside a URL); nothing prints them. Every file there is 0600, the servers' environment holds nothing of
-the operator's but what they need, and `up`/`down`/`add-user` hold the directory's lock.
+the operator's but what they need, and `up`/`down`/`add-user` hold the directory's lock. Beyond loopback
+(or with `--tls`) stunnel serves both over TLS, the servers behind it on loopback (`flows.services.tls`).
 
 DIR defaults to `<LLAMAFLOW_HOME>/services`. It holds `postgres/` (the cluster, its log and socket),
 `prefect/` (PREFECT_HOME of the server), `mlflow-artifacts/`, the servers' logs, `services.json` (ports,

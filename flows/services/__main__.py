@@ -9,6 +9,7 @@ from pathlib import Path
 from flows.services import add_user, down, load, running, up
 from flows.services.processes import ProcessError
 from flows.services.state import ENV_FILE, ServicesError
+from flows.services.tls import PROXY, TlsOptions
 
 
 def default_dir() -> Path:
@@ -53,6 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="up: the name clients use for this machine (default: the address; for 0.0.0.0 the machine's name)",
     )
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="up: TLS on loopback too (beyond loopback it is always on): stunnel in front of both servers, "
+        "with a certificate from a CA generated in DIR/tls (clients trust it through env.sh)",
+    )
+    parser.add_argument("--tls-cert", default=None, help="up: your own certificate chain (PEM) for the proxy")
+    parser.add_argument("--tls-key", default=None, help="up: the key of --tls-cert (PEM)")
+    parser.add_argument(
+        "--public-url",
+        action="append",
+        metavar="NAME=URL",
+        help="up: prefect=URL or mlflow=URL (repeat): a TLS proxy of your own serves that server at URL "
+        "(https; it forwards to the server's --host and port); `up` then starts no proxy of its own",
+    )
+    parser.add_argument(
+        "--artifacts-destination",
+        default=None,
+        help="up: where the MLflow server keeps artifacts (default DIR/mlflow-artifacts; e.g. s3://bucket/mlflow: "
+        "the store's variables of up's environment, AWS_* for S3, are passed to the MLflow server only)",
+    )
+    parser.add_argument(
         "--no-auth",
         action="store_true",
         help="up: no authentication (loopback only, refused for a directory that had it): every local user "
@@ -93,8 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _public_urls(given: list[str] | None) -> dict[str, str] | None:
+    if given is None:
+        return None
+    pairs = [item.partition("=") for item in given]
+    bad = [item for item, (_, sep, url) in zip(given, pairs, strict=True) if not sep or not url]
+    if bad:
+        raise ServicesError(
+            f"--public-url {bad[0]}: expected NAME=URL, e.g. mlflow=https://mlflow.example.org"
+        )
+    return {name: url for name, _, url in pairs}
+
+
 def _up(args: argparse.Namespace, root: Path) -> None:
     before = load(root)
+    tls = TlsOptions(args.tls, args.tls_cert, args.tls_key, _public_urls(args.public_url))
     services = up(
         root,
         host=args.host,
@@ -103,6 +138,8 @@ def _up(args: argparse.Namespace, root: Path) -> None:
         pg_user=args.pg_user,
         timeout_s=args.timeout,
         mlflow_workers=args.mlflow_workers,
+        tls_options=tls,
+        artifacts_destination=args.artifacts_destination,
     )
     print(
         f"PostgreSQL {services.database_url('')}, Prefect UI {services.prefect_ui_url}, "
@@ -114,6 +151,13 @@ def _up(args: argparse.Namespace, root: Path) -> None:
     print(f"export MLFLOW_TRACKING_URI={services.mlflow_tracking_uri}")
     if services.auth:
         print(f"# and the administrator's credentials, which {root / ENV_FILE} (mode 0600) exports")
+    if services.ca_bundle is not None:
+        print(
+            f"TLS: stunnel in front of both servers, certificate from the CA {services.ca_bundle.parent}/ca.pem; "
+            f"clients elsewhere need a copy of {services.ca_bundle} (env.sh names it)"
+        )
+    elif services.tls:
+        print(f"TLS: stunnel in front of both servers, with your certificate {services.tls_cert}")
     if services.auth and before is not None and not before.auth:
         print(f"migrated {root} to authentication: clients need the credentials of {root / ENV_FILE}")
     if not services.auth:
@@ -156,6 +200,7 @@ def _status(root: Path) -> int:
         "postgres": services.database_url(""),
         "prefect": services.prefect_api_url,
         "mlflow": services.mlflow_tracking_uri,
+        PROXY: f"TLS on {services.host}",
     }
     for name, up_now in state.items():
         print(f"{name:9s} {'running' if up_now else 'stopped':8s} {where[name]}")

@@ -18,10 +18,9 @@ import os
 import warnings
 from pathlib import Path
 
-from flows.services import postgres, servers
+from flows.services import postgres, servers, tls
 from flows.services.processes import alive, free_port, port_is_free, stop_tree
 from flows.services.state import (
-    LOOPBACK,
     Secrets,
     Services,
     ServicesError,
@@ -30,22 +29,29 @@ from flows.services.state import (
     locked,
     save,
 )
+from flows.services.tls import TlsOptions
 from tasks.network import is_loopback
+
+
+def _names(services: Services) -> tuple[str, ...]:
+    """The processes after PostgreSQL, in start order: the servers, then the TLS proxy in front of them."""
+    return (*servers.SERVERS, tls.PROXY) if services.tls else servers.SERVERS
 
 
 def running(services: Services) -> dict[str, bool]:
     state = {"postgres": postgres.running(services)}
-    for name in servers.SERVERS:
+    for name in dict.fromkeys([*_names(services), *services.servers]):
         record = services.servers.get(name)
         state[name] = record is not None and record.identity.is_running()
     return state
 
 
-def _launches(services: Services, secrets: Secrets | None, mlflow_workers: int) -> dict[str, servers.Launch]:
-    return {
-        "prefect": servers.prefect_launch(services, secrets),
-        "mlflow": servers.mlflow_launch(services, secrets, mlflow_workers),
-    }
+def _launch(name: str, services: Services, secrets: Secrets | None, mlflow_workers: int) -> servers.Launch:
+    if name == "prefect":
+        return servers.prefect_launch(services, secrets)
+    if name == "mlflow":
+        return servers.mlflow_launch(services, secrets, mlflow_workers)
+    return tls.proxy_launch(services)
 
 
 def configure(
@@ -55,10 +61,13 @@ def configure(
     public_host: str | None = None,
     no_auth: bool = False,
     pg_user: str = "nobody",
+    tls_options: TlsOptions | None = None,
+    artifacts_destination: str | None = None,
 ) -> tuple[Services, Secrets | None]:
     """The services of `root` as asked (its saved state, then the arguments), and their secrets when
     authentication is on; nothing is started. Authentication is on unless `no_auth`, which is refused
-    beyond loopback and for a directory that had authentication on (it is never turned off)."""
+    beyond loopback and for a directory that had authentication on (it is never turned off). TLS: see
+    `TlsOptions`."""
     root = root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     # Its owner's only; as root, others may pass through (not list) to reach the cluster's own directory.
@@ -70,7 +79,7 @@ def configure(
     if public_host:
         services.public_host = public_host
     elif host is not None:
-        services.public_host = LOOPBACK if is_loopback(host) else advertised_host(host)
+        services.public_host = host if is_loopback(host) else advertised_host(host)
     if no_auth and not is_loopback(services.host):
         raise ServicesError(
             f"--no-auth on {services.host}: the stores would be open to the network; drop --no-auth "
@@ -82,6 +91,12 @@ def configure(
             "without it, `down` and remove the directory, losing its data)"
         )
     services.auth = not no_auth
+    if artifacts_destination is not None:
+        services.artifacts_destination = artifacts_destination
+    (tls_options or TlsOptions()).apply(services, host_given=host is not None)
+    if services.tls:
+        for name in servers.SERVERS:
+            services.proxy_ports.setdefault(name, free_port(services.host))
     return services, (Secrets.load_or_create(root) if services.auth else None)
 
 
@@ -94,23 +109,25 @@ def up(
     pg_user: str = "nobody",
     timeout_s: float = 180.0,
     mlflow_workers: int = 2,
+    tls_options: TlsOptions | None = None,
+    artifacts_destination: str | None = None,
 ) -> Services:
-    """Start whatever of the three is not running as asked (see `configure`); returns the services (URLs,
-    ports, processes)."""
+    """Start whatever of the three (and the TLS proxy) is not running as asked (see `configure`); returns
+    the services (URLs, ports, processes)."""
     with locked(root.resolve()):
-        return _up(root, host, public_host, no_auth, pg_user, timeout_s, mlflow_workers)
+        services, secrets = configure(
+            root,
+            host=host,
+            public_host=public_host,
+            no_auth=no_auth,
+            pg_user=pg_user,
+            tls_options=tls_options,
+            artifacts_destination=artifacts_destination,
+        )
+        return _up(services, secrets, timeout_s, mlflow_workers)
 
 
-def _up(
-    root: Path,
-    host: str | None,
-    public_host: str | None,
-    no_auth: bool,
-    pg_user: str,
-    timeout_s: float,
-    mlflow_workers: int,
-) -> Services:
-    services, secrets = configure(root, host=host, public_host=public_host, no_auth=no_auth, pg_user=pg_user)
+def _up(services: Services, secrets: Secrets | None, timeout_s: float, mlflow_workers: int) -> Services:
     if secrets is not None:
         servers.write_roles(services, secrets)
     state = running(services)
@@ -133,8 +150,13 @@ def _up(
         postgres.create_databases(
             services, secrets
         )  # and each server's role, in a directory from before them
-        for name in servers.SERVERS:
-            launch = _launches(services, secrets, mlflow_workers)[name]
+        _stop_unasked(services)
+        if services.tls and not state.get(tls.PROXY):
+            for name in servers.SERVERS:  # before the servers' launches, which name the public URLs
+                if not port_is_free(services.proxy_ports[name], services.host):
+                    services.proxy_ports[name] = free_port(services.host)
+        for name in _names(services):
+            launch = _launch(name, services, secrets, mlflow_workers)
             record = services.servers.get(name)
             if state[name] and record is not None and record.launch == launch.fingerprint:
                 continue
@@ -143,9 +165,9 @@ def _up(
                 # moved to another port, authentication turned on): restarted, never left on the old URL.
                 stop_tree(services.servers.pop(name).pid)
             port = f"{name}_port"
-            if not port_is_free(getattr(services, port), services.host):
-                setattr(services, port, free_port(services.host))
-                launch = _launches(services, secrets, mlflow_workers)[name]
+            if name in servers.SERVERS and not port_is_free(getattr(services, port), services.bind_host):
+                setattr(services, port, free_port(services.bind_host))
+                launch = _launch(name, services, secrets, mlflow_workers)
             started.append(name)
             servers.start(name, launch, services, timeout_s, on_started=save)
     except BaseException:
@@ -156,8 +178,16 @@ def _up(
     return services
 
 
+def _stop_unasked(services: Services) -> None:
+    """Stop a recorded process that is no longer asked for (the TLS proxy, once TLS is off)."""
+    for name in [n for n in services.servers if n not in _names(services)]:
+        record = services.servers.pop(name)
+        if record.identity.is_running():
+            stop_tree(record.pid)
+
+
 def _stop_servers(services: Services) -> None:
-    for name in reversed(servers.SERVERS):  # MLflow, then Prefect
+    for name in reversed(list(services.servers)):  # the proxy, MLflow, then Prefect
         record = services.servers.pop(name, None)
         if record is not None and record.identity.is_running():
             stop_tree(record.pid)

@@ -13,10 +13,12 @@ can read); that environment holds nothing else of the operator's (`processes.scr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from flows.services.mlflow_policy import ROLES_VARIABLE
 from flows.services.processes import ProcessIdentity, scrubbed_env, start_detached, wait_http
@@ -27,6 +29,7 @@ from flows.services.state import (
     Secrets,
     ServerRecord,
     Services,
+    url_host,
     write_private,
 )
 from tasks.network import is_loopback
@@ -37,6 +40,34 @@ AUTH_CONFIG = "mlflow-auth.ini"
 # grant); writing needs EDIT on the experiment or model, given by `python -m flows.services add-user`.
 DEFAULT_PERMISSION = "READ"
 POLICY_FUNCTION = "flows.services.mlflow_policy:authenticate"
+# Read from `up`'s environment for an object store as the artifact destination (`--artifacts-destination`),
+# for the MLflow server only: the clients' uploads go through it (`--serve-artifacts`).
+OBJECT_STORE_VARIABLES = {
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_PROFILE",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_CA_BUNDLE",
+        "MLFLOW_S3_ENDPOINT_URL",
+        "MLFLOW_S3_IGNORE_TLS",
+        "MLFLOW_S3_UPLOAD_EXTRA_ARGS",
+    ),
+    "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"),
+    "wasbs": (
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_ACCESS_KEY",
+        "AZURE_CLIENT_ID",
+        "AZURE_TENANT_ID",
+        "AZURE_CLIENT_SECRET",
+    ),
+}
 # The repository holding `flows`: the MLflow server imports the policy from the code that started it.
 CODE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +109,7 @@ def write_roles(services: Services, secrets: Secrets) -> None:
 def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
     root = Path(services.root)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    args = [prefect, "server", "start", "--host", services.host, "--port", str(services.prefect_port)]
+    args = [prefect, "server", "start", "--host", services.bind_host, "--port", str(services.prefect_port)]
     env = {
         "PREFECT_HOME": str(root / "prefect"),
         "PREFECT_API_DATABASE_CONNECTION_URL": services.database_url("prefect", "asyncpg", user="prefect"),
@@ -94,7 +125,7 @@ def prefect_launch(services: Services, secrets: Secrets | None) -> Launch:
             "PGPASSWORD": secrets.database_passwords["prefect"],
             "PREFECT_SERVER_API_AUTH_STRING": secrets.prefect_auth_string,
         }
-    health = f"http://{_probe_host(services)}:{services.prefect_port}/api/health"
+    health = f"http://{probe_host(services.bind_host)}:{services.prefect_port}/api/health"
     return Launch([*args, "--analytics-off"], env, secret_env, health, root / "prefect-server.log")
 
 
@@ -105,14 +136,14 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         mlflow,
         "server",
         "--host",
-        services.host,
+        services.bind_host,
         "--port",
         str(services.mlflow_port),
         "--backend-store-uri",
         services.database_url("mlflow", "psycopg", user="mlflow"),
         "--serve-artifacts",
         "--artifacts-destination",
-        str(root / "mlflow-artifacts"),
+        services.artifacts_destination or str(root / "mlflow-artifacts"),
         "--workers",
         str(workers),
         # uvicorn kills a worker that misses a 5 s health check: on a loaded machine, one still importing
@@ -120,19 +151,25 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         "--uvicorn-opts",
         "--timeout-worker-healthcheck 60",
     ]
-    if not is_loopback(services.host):
-        # MLflow answers only Host headers it knows (DNS rebinding): localhost and private addresses by default.
-        public = services.public_host
-        args += ["--allowed-hosts", f"localhost,localhost:*,127.0.0.1,127.0.0.1:*,{public},{public}:*"]
-    health = f"http://{_probe_host(services)}:{services.mlflow_port}/health"
+    public = urlsplit(services.mlflow_tracking_uri)
+    if not is_loopback(services.host) or public.hostname not in ("localhost", LOOPBACK):
+        # MLflow answers only Host headers it knows (DNS rebinding): localhost and private addresses by
+        # default; and state-changing requests (the UI's POSTs) from browser origins on localhost only.
+        name = url_host(public.hostname or LOOPBACK)
+        hosts = ["localhost", "localhost:*", LOOPBACK, f"{LOOPBACK}:*", name, f"{name}:*"]
+        origin = f"{public.scheme}://{name}" + (f":{public.port}" if public.port else "")
+        args += ["--allowed-hosts", ",".join(dict.fromkeys(hosts)), "--cors-allowed-origins", origin]
+    health = f"http://{probe_host(services.bind_host)}:{services.mlflow_port}/health"
+    store_env = object_store_env(services.artifacts_destination)
     if secrets is None:
-        return Launch(args, {}, {}, health, root / "mlflow-server.log")
+        return Launch(args, {}, store_env, health, root / "mlflow-server.log")
     env = {
         "MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG),
         "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER,
         ROLES_VARIABLE: str(root / ROLES_FILE),
     }
     secret_env = {
+        **store_env,
         "PGPASSWORD": secrets.database_passwords["mlflow"],
         "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.mlflow_admin_password,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.mlflow_flask_secret_key,
@@ -148,10 +185,18 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
     )
 
 
-def _probe_host(services: Services) -> str:
-    """Where this machine asks a server whether it is up: loopback when it listens on every address."""
-    host = LOOPBACK if services.host in ("0.0.0.0", "::", "") else services.host
-    return f"[{host}]" if ":" in host else host
+def object_store_env(destination: str) -> dict[str, str]:
+    """What the MLflow server needs of this process's environment to reach an object store as its artifact
+    destination (credentials, region, endpoint: passed as secrets, their values kept out of services.json);
+    nothing for a local directory."""
+    scheme = urlsplit(destination).scheme
+    names = OBJECT_STORE_VARIABLES.get("s3" if scheme.startswith("s3") else scheme, ())
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def probe_host(bound: str) -> str:
+    """Where this machine asks a server bound to `bound` whether it is up: loopback for every address."""
+    return url_host(LOOPBACK if bound in ("0.0.0.0", "::", "") else bound)
 
 
 def _auth_config(services: Services) -> str:
@@ -192,6 +237,6 @@ def start(
     record = ServerRecord(pid, identity.started, list(identity.cmdline), launch.fingerprint)
     services.servers[name] = record
     on_started(services)
-    what = "the Prefect server" if name == "prefect" else "the MLflow server"
+    what = {"prefect": "the Prefect server", "mlflow": "the MLflow server"}.get(name, f"the {name}")
     wait_http(launch.health_url, pid, launch.log, what, timeout_s)
     return record

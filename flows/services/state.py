@@ -28,6 +28,15 @@ ROLES_FILE = "mlflow-roles.json"
 LOCK_FILE = ".lock"
 ENV_FILE = "env.sh"
 USERS_DIR = "users"
+TLS_DIR = "tls"
+CA_BUNDLE = "ca-bundle.pem"  # the public CAs and the directory's own (flows.services.tls)
+# Where requests (MLflow's client), httpx (Prefect's), Prefect and MLflow read a CA bundle from.
+CA_VARIABLES = (
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "PREFECT_API_SSL_CERT_FILE",
+    "MLFLOW_TRACKING_SERVER_CERT_PATH",
+)
 DB_USER = "llamaflow"  # the cluster's superuser: `up` and the operator's tools only
 # Each server's own database role (no superuser, owner of its databases only) and those databases.
 SERVER_DATABASES = {"prefect": ("prefect",), "mlflow": ("mlflow", "mlflow_auth")}
@@ -39,7 +48,7 @@ class ServicesError(RuntimeError):
     """The stores cannot be started, stopped or changed; the message says why and what to do."""
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
@@ -69,18 +78,46 @@ class Services:
     auth: bool = False  # an older services.json without the field was unauthenticated
     pg_launch: list[str] = field(default_factory=list)  # how the running cluster was started
     servers: dict[str, ServerRecord] = field(default_factory=dict)
+    # TLS (flows.services.tls): stunnel on `host` at `proxy_ports`, the servers on loopback; the user's own
+    # certificate and key, if given; or `public_urls`: a proxy of the user's own, in front of the servers.
+    tls: bool = False
+    proxy_ports: dict[str, int] = field(default_factory=dict)
+    tls_cert: str = ""
+    tls_key: str = ""
+    public_urls: dict[str, str] = field(default_factory=dict)
+    artifacts_destination: str = ""  # the MLflow server's (an object store's URI); "": DIR/mlflow-artifacts
+
+    @property
+    def bind_host(self) -> str:
+        """Where the servers listen: behind the TLS proxy, loopback only."""
+        return LOOPBACK if self.tls else self.host
+
+    def _public(self, name: str) -> str:
+        if name in self.public_urls:
+            return self.public_urls[name].rstrip("/")
+        if self.tls:
+            return f"https://{url_host(self.public_host)}:{self.proxy_ports[name]}"
+        return f"http://{url_host(self.public_host)}:{getattr(self, f'{name}_port')}"
+
+    @property
+    def ca_bundle(self) -> Path | None:
+        """What clients trust the proxy's certificate through (None: the user's own certificate, which the
+        system's CAs vouch for, or no TLS of ours)."""
+        if not self.tls or self.tls_cert:
+            return None
+        return Path(self.root) / TLS_DIR / CA_BUNDLE
 
     @property
     def prefect_api_url(self) -> str:
-        return f"http://{_url_host(self.public_host)}:{self.prefect_port}/api"
+        return f"{self._public('prefect')}/api"
 
     @property
     def mlflow_tracking_uri(self) -> str:
-        return f"http://{_url_host(self.public_host)}:{self.mlflow_port}"
+        return self._public("mlflow")
 
     @property
     def prefect_ui_url(self) -> str:
-        return self.prefect_api_url.removesuffix("/api")
+        return self._public("prefect")
 
     def database_url(self, database: str, driver: str = "", user: str = DB_USER) -> str:
         """PostgreSQL on loopback as `user`, without a password (the servers read it from PGPASSWORD)."""
@@ -93,6 +130,8 @@ class Services:
         whether it gets Prefect's auth string (Prefect has one identity: whoever holds it may create
         deployments, which run code on every worker, so a read-only user never does)."""
         env = {"PREFECT_API_URL": self.prefect_api_url, "MLFLOW_TRACKING_URI": self.mlflow_tracking_uri}
+        if self.ca_bundle is not None:
+            env.update(dict.fromkeys(CA_VARIABLES, str(self.ca_bundle)))
         if self.auth:
             kept = Secrets.load(Path(self.root))
             if prefect:

@@ -13,6 +13,7 @@ if it was lost, it takes the lock anew and puts the alias back on the last versi
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -28,6 +29,20 @@ TAG_CHAMPION_BITS_PER_BYTE = "llamaflow.champion_bits_per_byte"
 TAG_CHAMPION_VERSION = "llamaflow.champion_version"
 TAG_COMPARISON = "llamaflow.comparison"
 TAG_LOCK_TICKET = "llamaflow.promotion_lock_ticket"
+# The version's own score as the decision recorded it (bits per byte, validation text, dtype): the number a
+# later decision reuses for this version as champion. Not `llamaflow.bits_per_byte`, which the registering
+# worker writes and may change: on a `flows.services` server only promoters may write DECISION_TAGS.
+TAG_PROMOTER_SCORE = "llamaflow.promoter_score"
+DECISION_TAGS = frozenset(
+    (
+        TAG_PROMOTED,
+        TAG_CHAMPION_BITS_PER_BYTE,
+        TAG_CHAMPION_VERSION,
+        TAG_COMPARISON,
+        TAG_LOCK_TICKET,
+        TAG_PROMOTER_SCORE,
+    )
+)
 NOT_COMPARABLE = "not comparable"
 LOCK_LEASE_S = 60.0
 MAX_CHAMPION_CHANGES = 5
@@ -39,6 +54,24 @@ ScoreChampion = Callable[[ModelVersion], tuple[float | None, str]]
 
 def number(text: str | None) -> float | None:
     return None if text in (None, "none") else float(text)
+
+
+def score_record(bits_per_byte: float, text_fingerprint: str, dtype: str) -> str:
+    return json.dumps(
+        {"bits_per_byte": repr(bits_per_byte), "validation_text": text_fingerprint, "dtype": dtype}
+    )
+
+
+def recorded_score(tags: dict[str, str], text_fingerprint: str, dtype: str) -> float | None:
+    """The score the decision recorded for a version (`TAG_PROMOTER_SCORE`) if it was measured on this
+    validation text in this dtype; None otherwise (no decision recorded one, or another text)."""
+    try:
+        record = json.loads(tags.get(TAG_PROMOTER_SCORE, ""))
+        if record["validation_text"] == text_fingerprint and record["dtype"] == dtype:
+            return float(record["bits_per_byte"])
+    except (ValueError, TypeError, KeyError):
+        pass
+    return None
 
 
 def current_champion(client: MlflowClient, name: str, alias: str) -> ModelVersion | None:
@@ -73,8 +106,10 @@ def decide(
     *,
     alias: str,
     promotion: Promotion,
+    record: str,
 ) -> None:
-    """Decide whether `version` (scoring `ours`) takes `alias`, move it if so, and record the decision.
+    """Decide whether `version` (scoring `ours`, as `record` says: `score_record`) takes `alias`, move it if
+    so, and record the decision.
 
     The champion's number may need a re-score (seconds to minutes), so it is computed outside the lock; under
     it the alias is read again, and if another registration moved it meanwhile, the comparison is redone."""
@@ -103,6 +138,7 @@ def decide(
                 TAG_CHAMPION_VERSION: champion_version,
                 TAG_COMPARISON: comparison,
                 TAG_LOCK_TICKET: str(lease.ticket),
+                TAG_PROMOTER_SCORE: record,
             }
             for key, value in comparison_tags.items():
                 client.set_model_version_tag(name, mine, key, value)
