@@ -73,7 +73,11 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
         checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
         evaluation = _evaluate(config, checkpoint, dataset, tokenizer, model)
         _log_evaluation(run_id, evaluation, checkpoint, dataset, uri)
-        registered = _register(config, run_id, checkpoint, tokenizer, dataset, evaluation, parent)
+        registered = (
+            _register(config, run_id, checkpoint, tokenizer, dataset, evaluation, parent)
+            if config.register_version
+            else None
+        )
     result = _result(run_id, registered, evaluation, checkpoint, tokenizer, dataset, model, parent, uri)
     report.publish_summary(result.model_dump(mode="json"))
     print_summary(result)
@@ -248,7 +252,7 @@ def _register(
 
 def _result(
     run_id: str,
-    registered: refs.RegisteredModel,
+    registered: refs.RegisteredModel | None,
     evaluation: refs.EvalResult,
     checkpoint: refs.CheckpointRef,
     tokenizer: refs.TokenizerRef,
@@ -266,7 +270,7 @@ def _result(
     }
     return PretrainResult(
         run_id=run_id,
-        model_uri=registered.uri,
+        model_uri=registered.uri if registered else None,
         registered=registered,
         evaluation=evaluation,
         checkpoint=checkpoint,

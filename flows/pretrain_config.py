@@ -199,6 +199,11 @@ class PretrainConfig(TrainSettings, DataSettings):
     experiment: str = Field("llamaflow", description="MLflow experiment")
     run_name: str | None = Field(None, description="MLflow run name (default: the Prefect flow run's name)")
     model_name: str = Field("llamaflow", description="MLflow registered model name")
+    register_version: bool = Field(
+        True,
+        description="Register the trained model as a version of model_name (false: the run and its logged "
+        "checkpoints only, as a sweep's trials)",
+    )
     alias: str = Field("champion", description="Alias moved to the new version only when it is better")
     promotion: Promotion = Field(
         "if_better",

@@ -19,8 +19,8 @@ from tasks.tracking import store
 
 class PretrainResult(BaseModel):
     run_id: str
-    model_uri: str
-    registered: RegisteredModel
+    model_uri: str | None = Field(description="The registered version (None: the run was not registered)")
+    registered: RegisteredModel | None
     evaluation: EvalResult
     checkpoint: CheckpointRef
     tokenizer: TokenizerRef
@@ -62,7 +62,7 @@ def lineage_lines(result: PretrainResult) -> list[str]:
     if before is not None:
         verdict = "improved on" if ours < before else "did NOT improve on"
         lines.append(f"vs parent:   {verdict} its parent: {before:.3f} → {ours:.3f} bits per byte")
-    if reg.champion_bits_per_byte is not None:
+    if reg is not None and reg.champion_bits_per_byte is not None:
         verdict = "better than" if ours < reg.champion_bits_per_byte else "NOT better than"
         lines.append(
             f"vs champion: {verdict} the champion (version {reg.champion_version}): "
@@ -89,16 +89,24 @@ def print_summary(result: PretrainResult) -> None:
     if result.checkpoint.run_length:
         lines.append(f"run length: {result.checkpoint.run_length}")
     reg = result.registered
-    verdict = "now holds" if reg.promoted else "stays with the previous version; not moved to"
-    versus = (
-        f", champion had {reg.champion_bits_per_byte:.3f} bits per byte" if reg.champion_bits_per_byte else ""
-    )
-    lines.append(f"registered: {result.model_uri}  ({verdict} @{reg.alias}{versus})")
+    if reg is None:
+        lines.append(
+            "registered: nothing (register_version: false); the run's checkpoints are logged models of it"
+        )
+    else:
+        verdict = "now holds" if reg.promoted else "stays with the previous version; not moved to"
+        versus = (
+            f", champion had {reg.champion_bits_per_byte:.3f} bits per byte"
+            if reg.champion_bits_per_byte
+            else ""
+        )
+        lines.append(f"registered: {result.model_uri}  ({verdict} @{reg.alias}{versus})")
     lines += lineage_lines(result)
     for prompt, completion in ev.samples[:2]:
         lines.append(f"sample: {prompt!r} → {(prompt + completion)[:120]!r}")
     lines.append(f"look next: {store.run_link(result.run_id)}")
     lines.append(f"stored:    {describe_locations()}")
-    lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{reg.name}@{reg.alias}')")
+    if reg is not None:
+        lines.append(f"load it:   mlflow.pyfunc.load_model('models:/{reg.name}@{reg.alias}')")
     lines.append("=" * 72)
     print("\n".join(lines))

@@ -162,10 +162,11 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     assert {a.path for a in client.list_artifacts(parent)} >= {"results.md", "trials.csv", "plots"}
     assert "plots/optimization_history.png" in {a.path for a in client.list_artifacts(parent, "plots")}
 
-    # The trials registered under the sweep's own model; the base's model name was never touched.
+    # No trial registered a model (register_trials is false by default): neither the base's model name nor
+    # the sweep's own has a version, and no trial run records one.
     assert not client.search_model_versions(f"name = '{BASE['model_name']}'")
-    swept = client.get_registered_model(f"{BASE['model_name']}-sweep-{name}")
-    assert "champion" in swept.aliases
+    assert not client.search_model_versions(f"name = '{BASE['model_name']}-sweep-{name}'")
+    assert not any("llamaflow.registered_version" in run.data.tags for run in children)
     # Every concurrency slot is back (the killed sweep's one was handed back by the second).
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -277,12 +278,22 @@ def test_a_sweep_started_over_under_the_same_name_never_touches_the_old_ones_run
 
 def test_on_a_two_gpu_host_two_trials_run_at_once_one_gpu_each(world: tuple) -> None:
     """gpus_per_trial: 1 on a host of 2 GPUs (LLAMAFLOW_SWEEP_GPUS stands in for them): both trials run side
-    by side, each seeing one GPU of its own in its environment (recorded on its MLflow run by the trial)."""
+    by side, each seeing one GPU of its own in its environment (recorded on its MLflow run by the trial).
+    register_winner: the trials register nothing, the winner is trained once more and registered once."""
     root, env, data = world
     name = "gpus"
+    model = "sweep-e2e-winner"
     spec = {
         "name": name,
-        "base": {**BASE, **data, "max_steps": 4, "checkpoint_every": 4, "eval_max_blocks": 2},
+        "base": {
+            **BASE,
+            **data,
+            "max_steps": 4,
+            "checkpoint_every": 4,
+            "eval_max_blocks": 2,
+            "model_name": model,
+        },
+        "register_winner": True,
         "space": {"lr": {"choices": [0.003, 0.002]}},
         "sampler": "grid",
         "gpus_per_trial": 1,
@@ -301,3 +312,9 @@ def test_on_a_two_gpu_host_two_trials_run_at_once_one_gpu_each(world: tuple) -> 
         second.data.tags["llamaflow.sweep.cuda_visible_devices"],
     } == {"0", "1"}
     assert first.info.start_time < second.info.end_time and second.info.start_time < first.info.end_time
+    # One model version: the winner's, made by a third run (not a trial's), under the base's model name.
+    (version,) = client.search_model_versions(f"name = '{model}'")
+    assert not client.search_model_versions(f"name = '{model}-sweep-{name}'")
+    assert version.run_id not in {first.info.run_id, second.info.run_id}
+    assert client.get_run(version.run_id).data.tags["llamaflow.sweep.kind"] == "winner"
+    assert "registered: models:/sweep-e2e-winner/1" in log.read_text()

@@ -10,8 +10,9 @@
 The spec (flows/sweep/spec.py) names a base configuration and a space; Optuna (flows/sweep/study.py) draws
 each trial's values and keeps the study in a store that outlives the process, so the same command after a
 crash or kill -9 goes on where it stopped; each trial (flows/sweep/trials.py) is a pretrain run with its
-own MLflow run nested under the sweep's (flows/sweep/report.py), registered under a model name of the
-sweep's own (`<model_name>-sweep-<name>`), so no trial moves the aliases of the base's model.
+own MLflow run nested under the sweep's (flows/sweep/report.py), not registered (`register_trials: true`
+registers each under a model name of the sweep's own, `<model_name>-sweep-<name>`), so no trial moves the
+aliases of the base's model; the winner is registered once, under the base's name, when asked.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from flows.sweep.study import (
 from flows.sweep.trials import run_trial
 from tasks.credentials import redact
 from tasks.home import apply_embedded_defaults
+from tasks.register import RUN_TAG_VERSION
 from tasks.tracking import store
 
 trial_task = task(run_trial, name="trial", cache_policy=NO_CACHE, persist_result=False)
@@ -227,8 +229,11 @@ def _plan(
     spec = ctx.spec
     directory = ctx.directory / label
     values = {**ctx.values(params), **extra, "run_name": f"{spec.name}-{label}"}
-    if kind != "winner":
+    if kind != "winner":  # the winner is registered under the base's model name, the trials only if asked
         values["model_name"] = spec.sweep_model_name()
+        values["register_version"] = spec.register_trials
+    else:
+        values["register_version"] = True
     if spec.launch == "local":
         values["checkpoint_dir"] = str(directory / "run")
     prune = kind == "search" and spec.pruner.name != "none"
@@ -344,9 +349,9 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
     if outcome.state != TrialState.COMPLETE or outcome.run_id is None:
         return [f"registering the winner failed: {outcome.message}"]
     tags = store.get_client(ctx.uri).get_run(outcome.run_id).data.tags
-    name = spec.base_config().model_name
+    version = tags.get(RUN_TAG_VERSION, f"{spec.base_config().model_name}/?")  # NAME/VERSION
     return [
-        f"registered: models:/{name}/{tags.get('llamaflow.registered_version', '?')} ({spec.metric} "
+        f"registered: models:/{version} ({spec.metric} "
         f"{outcome.value:.5f}); the registry decided whether @{spec.base_config().alias} moved"
     ]
 

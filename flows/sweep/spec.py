@@ -143,6 +143,9 @@ class SweepSpec(_Strict):
         None, description="Optuna storage URL (default: LLAMAFLOW_SWEEP_STORAGE, else a journal file)"
     )
     register_winner: bool = Field(False, description="Train the winner once more under the base's model_name")
+    register_trials: bool = Field(
+        False, description="Register every trial as a version of the sweep's own model (default: none is)"
+    )
     keep_pruned: bool = Field(False, description="Keep a pruned local trial's checkpoints (default: removed)")
 
     @field_validator("pruner")

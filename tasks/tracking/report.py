@@ -94,8 +94,16 @@ def publish_summary(result: dict[str, Any]) -> None:
         for k, v in sorted(result["metrics"].items())
         if k not in ("val_loss", "val_perplexity", "bits_per_byte", "xz_bits_per_byte")
     ]
-    decision = "moved to this version" if reg["promoted"] else "kept by the previous champion"
-    champion = reg.get("champion_bits_per_byte")
+    if reg is None:
+        registered = "**Registered:** nothing (`register_version: false`)."
+    else:
+        decision = "moved to this version" if reg["promoted"] else "kept by the previous champion"
+        champion = reg.get("champion_bits_per_byte")
+        registered = f"**Registered:** `{result['model_uri']}`; alias `@{reg['alias']}` {decision}" + (
+            f" (previous champion: {champion:.4f} bits per byte on the same text)"
+            if champion is not None
+            else "."
+        )
     lines = [
         f"# Pretraining run `{result['run_id']}`",
         "",
@@ -103,12 +111,7 @@ def publish_summary(result: dict[str, Any]) -> None:
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in rows],
         "",
-        f"**Registered:** `{result['model_uri']}`; alias `@{reg['alias']}` {decision}"
-        + (
-            f" (previous champion: {champion:.4f} bits per byte on the same text)"
-            if champion is not None
-            else "."
-        ),
+        registered,
         "",
         f"**MLflow run:** {run_link(result['run_id'])}",
         "",
