@@ -26,7 +26,7 @@ from flows.pool.remote_train import FLOW_TIMEOUT_S
 from flows.pretrain_config import PretrainConfig
 from flows.result import PretrainResult, print_summary
 from model import LlamaConfig
-from tasks import refs
+from tasks import home, refs
 from tasks.build import build_model, parent_config
 from tasks.evaluate import evaluate_task
 from tasks.home import apply_embedded_defaults, runs_dir
@@ -122,7 +122,12 @@ def _set_up(config: PretrainConfig) -> tuple[str, str, str]:
     _end_runs_left_running(config.experiment, uri)
     run_name, run_key = _run_identity(config)
     # A retry of this flow run reuses its directory and resumes; another run never shares it.
-    return uri, run_name, config.checkpoint_dir or str(runs_dir() / run_key)
+    # A checkpoint_dir under $LLAMAFLOW_HOME (a sweep's trial on the pool) is this machine's home's.
+    return (
+        uri,
+        run_name,
+        home.local(config.checkpoint_dir) if config.checkpoint_dir else str(runs_dir() / run_key),
+    )
 
 
 def _run_identity(config: PretrainConfig) -> tuple[str, str]:

@@ -81,6 +81,16 @@ def _trials_dir(root: Path, name: str) -> Path:
     return root / "home" / "sweeps" / name / f"study-{_study(root, name).user_attrs['uid'][:8]}"
 
 
+def _checkpointed(root: Path, name: str, label: str) -> bool:
+    """Whether the trial `label` of the study `name` has written a checkpoint (False before the study is)."""
+    if not (root / "home" / "sweeps" / name / "optuna.journal").is_file():
+        return False
+    try:
+        return any((_trials_dir(root, name) / label / "run").glob("step_*"))
+    except KeyError:  # the study, or its id, not written yet
+        return False
+
+
 def _wait(condition, timeout_s: float, what: str, log: Path) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -135,8 +145,14 @@ def test_a_sweep_killed_after_two_trials_resumes_to_exactly_its_trials_nested_in
     again = _sweep(root, env, spec)
     assert again.wait(timeout=600) == 0, tail(log)
 
-    trials = _study(root, name).get_trials()
-    assert [(t.number, t.state) for t in trials] == [(n, TrialState.COMPLETE) for n in range(3)]
+    # The killed sweep's trial 2 was taken over (ended FAIL, check-and-set) by trial 3, which continued it.
+    everything = _study(root, name).get_trials()
+    assert [t.state for t in everything] == [TrialState.COMPLETE] * 2 + [TrialState.FAIL, TrialState.COMPLETE]
+    assert (
+        everything[3].system_attrs["failed_trial"] == 2
+        and everything[2].user_attrs["ended"] == "sweep stopped"
+    )
+    trials = [t for t in everything if t.state == TrialState.COMPLETE]
     assert sorted(t.params["lr"] for t in trials) == [0.001, 0.002, 0.003]
     third = (trial_dir / "trial-002" / "output.log").read_text()
     assert "resuming from checkpoint" in third  # continued, not started again
@@ -318,3 +334,70 @@ def test_on_a_two_gpu_host_two_trials_run_at_once_one_gpu_each(world: tuple) -> 
     assert version.run_id not in {first.info.run_id, second.info.run_id}
     assert client.get_run(version.run_id).data.tags["llamaflow.sweep.kind"] == "winner"
     assert "registered: models:/sweep-e2e-winner/1" in log.read_text()
+
+
+def _command(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.sweep", *args], env=env, cwd=REPO, capture_output=True, text=True
+    )
+
+
+def test_status_a_crashed_trial_retried_from_its_checkpoint_and_stop(world: tuple) -> None:
+    """`python -m flows.sweep status SPEC` lists the running trial and its owner. Its process killed with
+    SIGKILL (the OOM killer, say), the trial is FAIL and retried (Optuna's RetryFailedTrialCallback) in its
+    own directory: the retry resumes its checkpoint and continues its MLflow run. `stop SPEC` makes the
+    sweep stop the retry after a checkpoint and end (exit 130, its run KILLED), the trial left to continue."""
+    root, env, data = world
+    name = "stopped"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 100_000, "checkpoint_every": 5},
+        "space": {"lr": {"choices": [0.003]}},
+        "sampler": "grid",
+    }
+    log, path = root / f"{name}.log", root / f"{name}.yaml"
+    process = _sweep(root, env, spec)
+    try:
+        _wait(lambda: _checkpointed(root, name, "trial-000"), 300, "a checkpoint of the trial", log)
+        shown = _command(env, "status", str(path))
+        assert shown.returncode == 0, shown.stderr
+        assert "1 running (of 1)" in shown.stdout and f"pid {process.pid}" in shown.stdout
+        assert f"optuna-dashboard {root / 'home' / 'sweeps' / name / 'optuna.journal'}" in shown.stdout
+        os.kill(_study(root, name).trials[0].user_attrs["child"]["pid"], signal.SIGKILL)
+        output = _trials_dir(root, name) / "trial-000" / "output.log"
+        _wait(lambda: "resuming from checkpoint" in output.read_text(), 300, "the retry resumed", log)
+        stopped = _command(env, "stop", str(path))
+        assert stopped.returncode == 0 and "stop requested" in stopped.stdout, stopped.stderr
+        assert process.wait(timeout=120) == 130, tail(log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+    assert "stopped: `python -m flows.sweep stop` was run" in log.read_text()
+    crashed, retried = _study(root, name).get_trials()
+    assert crashed.state == TrialState.FAIL and crashed.user_attrs["message"] == "killed by signal 9"
+    assert retried.params == crashed.params and retried.system_attrs["failed_trial"] == 0
+    assert retried.state == TrialState.RUNNING and retried.user_attrs["owner"] == {"released": True}
+    assert "training stopped by SIGTERM" in output.read_text()
+    (trial_run,) = [r for r in _runs(env) if r.info.run_name == f"{name}-trial-000"]  # continued, not new
+    assert trial_run.info.run_id == crashed.user_attrs["mlflow_run_id"]
+    (run,) = [r for r in _runs(env) if r.info.run_name == name]
+    assert run.info.status == "KILLED"
+    assert "run by released" in _command(env, "status", str(path)).stdout
+
+
+def test_a_diverged_trial_fails_and_is_not_retried(world: tuple) -> None:
+    """A trial whose loss goes non-finite fails for a reason of its own, not the infrastructure's: FAIL,
+    told once, never queued to run again (a retry would diverge again)."""
+    root, env, data = world
+    name = "diverged"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 3},
+        "space": {"lr": {"choices": [0.003]}},
+        "sampler": "grid",
+    }
+    process = _sweep(root, {**env, "LLAMAFLOW_FAULT_INJECT": "nan_at_step=2"}, spec)
+    assert process.wait(timeout=300) == 0, tail(root / f"{name}.log")
+    (trial,) = _study(root, name).get_trials()  # no retry queued
+    assert trial.state == TrialState.FAIL and "non-finite training at step 2" in trial.user_attrs["message"]
+    assert "ended" not in trial.user_attrs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import optuna
 
-from flows.sweep.flow import _plan
+from flows.sweep.loop import plan as _plan
 from flows.sweep.parents import PARENTS, pin_parents
 from flows.sweep.runs import SweepContext
 from flows.sweep.spec import check_spec

@@ -1,10 +1,12 @@
 """Sweeps on the pool (`launch: deployment`): a trial whose flow run completed while no sweep watched it (its
 sweep was killed with kill -9) is told to Optuna from that run's MLflow result by the next sweep, not
-trained again in a new flow run."""
+trained again in a new flow run; one whose flow run crashed resumes from its own checkpoint directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 import yaml
 from optuna.trial import TrialState
@@ -103,7 +106,8 @@ def test_a_trial_whose_flow_run_completed_unwatched_is_told_from_its_result(pool
     assert wait_for_flow_run(flow_run_id, 600, worker_log).state.type.value == "COMPLETED", tail(worker_log)
 
     assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
-    (trial,) = _trials(root, name)
+    left, trial = _trials(root, name)  # the killed sweep's trial, taken over by one that continues it
+    assert left.state == TrialState.FAIL and trial.system_attrs["failed_trial"] == left.number
     assert trial.state == TrialState.COMPLETE and trial.user_attrs["flow_run_id"] == flow_run_id
     run = store.get_client(env["MLFLOW_TRACKING_URI"]).get_run(trial.user_attrs["mlflow_run_id"])
     assert run.data.tags["prefect.flow_run_id"] == flow_run_id
@@ -114,3 +118,65 @@ def test_a_trial_whose_flow_run_completed_unwatched_is_told_from_its_result(pool
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         )
     assert [str(r.id) for r in runs] == [flow_run_id]  # not trained again
+
+
+def _kill_flow_run_processes(flow_run_id: str) -> int:
+    """SIGKILL every process of the flow run (the worker's child and what it started): a lost machine."""
+    killed = 0
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                process.kill()
+                killed += 1
+    return killed
+
+
+def test_a_killed_sweeps_crashed_trial_resumes_from_its_own_checkpoint_directory(pool: tuple) -> None:
+    """The sweep killed with kill -9, then its trial's flow run killed on the worker (CRASHED): the next sweep
+    starts a new flow run on the trial's own checkpoint directory, which resumes from its checkpoint (step
+    > 0) and continues the trial's MLflow run, instead of training from scratch in a new run directory."""
+    root, env = pool
+    texts = stdlib_text(("textwrap.py", "shlex.py", "colorsys.py", "bisect.py"), 6000)
+    data = {"data": corpus(root, "train", texts[:3]), "val_data": corpus(root, "val", texts[3:])}
+    name = "crashed"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 400, "checkpoint_every": 5},
+        "space": {"lr": {"choices": [0.003]}},
+        "sampler": "grid",
+        "launch": "deployment",
+        "deployment": "pretrain/adhoc",
+    }
+    log, worker_log = root / f"{name}.log", root / "worker.log"
+    first = _sweep(root, env, spec)
+    deadline = time.monotonic() + 300
+    while not list((root / "home" / "sweeps" / name).glob("study-*/trial-000/run/step_*")):
+        assert first.poll() is None, tail(log)
+        assert time.monotonic() < deadline, f"no checkpoint of the trial:\n{tail(worker_log)}"
+        time.sleep(0.5)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    crashed = _trials(root, name)[0].user_attrs["flow_run_id"]
+    client = store.get_client(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name(BASE["experiment"]).experiment_id
+    (mlflow_run,) = client.search_runs([experiment], f"tags.`prefect.flow_run_id` = '{crashed}'")
+    assert _kill_flow_run_processes(crashed) > 0
+    assert wait_for_flow_run(crashed, 120, worker_log).state.type.value == "CRASHED", tail(worker_log)
+
+    assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
+    left, trial = _trials(root, name)
+    assert left.state == TrialState.FAIL and trial.system_attrs["failed_trial"] == left.number
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["flow_run_id"] != crashed
+    assert f"its flow run {crashed} ended CRASHED; a new one resumes" in log.read_text()
+    resumed = [
+        int(m)
+        for m in re.findall(
+            r"resuming from checkpoint \S+trial-000/run/step_\d+ at step (\d+)/", worker_log.read_text()
+        )
+    ]
+    assert resumed and resumed[-1] > 0, tail(worker_log)
+    assert trial.user_attrs["mlflow_run_id"] == mlflow_run.info.run_id  # continued, not a new run
+    assert (
+        client.get_run(mlflow_run.info.run_id).data.tags["prefect.flow_run_id"]
+        == trial.user_attrs["flow_run_id"]
+    )

@@ -20,10 +20,15 @@ from flows.sweep.study import (
     OWNER,
     STALE_AFTER_S,
     SpecChangedError,
+    _take_over,
     claim_next,
+    keep_alive,
+    open_storage,
     open_study,
+    origin,
     owner_gone,
     release,
+    retry,
     suggest,
 )
 
@@ -38,12 +43,8 @@ def draw(trial: optuna.trial.Trial) -> dict:
     return {"lr": trial.suggest_float("lr", 1e-4, 1e-2, log=True)}
 
 
-def recall(frozen: optuna.trial.FrozenTrial) -> dict:
-    return dict(frozen.params)
-
-
 def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) -> None:
-    first = claim_next(study, 2, set(), draw, recall)
+    first = claim_next(study, 2, set(), draw)
     assert first is not None and not first.adopted
     frozen = lambda: study.trials[first.trial.number]  # noqa: E731
     assert not owner_gone(frozen())  # this process: alive
@@ -72,19 +73,55 @@ def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) 
     release(first.trial)
     assert owner_gone(frozen())
 
-    # The next claim takes the released trial over (its number and values), before asking a new one.
-    again = claim_next(study, 2, set(), draw, recall)
-    assert again is not None and again.adopted
-    assert again.trial.number == first.trial.number and again.params == first.params
+    # The next claim takes the released trial over before asking a new one: it ends FAIL and a new trial
+    # continues it (its values, its origin's directory and MLflow run).
+    again = claim_next(study, 2, set(), draw)
+    assert again is not None and again.adopted and study.trials[0].state == TrialState.FAIL
+    assert again.trial.number == 1 and again.params == first.params and origin(study, again.trial).number == 0
     assert not owner_gone(study.trials[again.trial.number])  # it is this process's now
-    # The count: one running (ours) and a new one make 2; then nothing more.
-    second = claim_next(study, 2, {again.trial.number}, draw, recall)
-    assert second is not None and not second.adopted and second.trial.number == 1
-    assert claim_next(study, 2, {0, 1}, draw, recall) is None
+    # The count: the taken-over trial does not count; ours and a new one make 2; then nothing more.
+    second = claim_next(study, 2, {again.trial.number}, draw)
+    assert second is not None and not second.adopted and second.trial.number == 2
+    assert claim_next(study, 2, {1, 2}, draw) is None
     study.tell(again.trial, 0.5)
     study.tell(second.trial, state=optuna.trial.TrialState.PRUNED)
-    assert claim_next(study, 2, {0, 1}, draw, recall) is None
-    assert len(study.trials) == 2
+    assert claim_next(study, 2, {1, 2}, draw) is None
+    assert len(study.trials) == 3
+
+
+def test_two_processes_that_find_one_stale_trial_cannot_both_take_it_over(tmp_path: Path) -> None:
+    """Two sweep processes (two storages on one journal file) see the same stale trial at once: the state
+    change that takes it over is a check-and-set, so it is queued to run again once, not twice."""
+    journal = f"journal:{tmp_path / 'optuna.journal'}"
+    optuna.create_study(study_name="s", storage=open_storage(journal))
+    ours, theirs = (optuna.load_study(study_name="s", storage=open_storage(journal)) for _ in range(2))
+    first = claim_next(ours, 1, set(), draw)
+    assert first is not None
+    release(first.trial)
+    (stale,) = theirs.get_trials(states=(TrialState.RUNNING,))  # both read it RUNNING, released
+    assert owner_gone(stale) and owner_gone(ours.get_trials()[0])
+    _take_over(ours, ours.get_trials()[0])
+    _take_over(theirs, stale)  # too late: it is FAIL already
+    waiting = theirs.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].params == first.params
+    claimed = claim_next(theirs, 1, set(), draw)
+    assert claimed is not None and claimed.adopted and claimed.trial.number == 1
+    assert claim_next(ours, 1, set(), draw) is None
+
+
+def test_a_trial_beats_its_heartbeat_while_it_waits(study: optuna.Study) -> None:
+    """While a trial's block waits (for a concurrency slot, say), its heartbeat goes on: a sweep on another
+    host never finds it stale; it does once the beats stop."""
+    claimed = claim_next(study, 1, set(), draw)
+    assert claimed is not None
+    claimed.trial.set_user_attr(OWNER, {"host": "elsewhere", "pid": 1, "started": ""})  # seen from there
+    start = time.time()
+    with keep_alive(claimed.trial, every_s=0.1):
+        time.sleep(0.5)
+    beat = study.trials[0].user_attrs[HEARTBEAT]
+    assert beat > start + 0.3
+    assert not owner_gone(study.trials[0], now=start + STALE_AFTER_S + 0.2)
+    assert owner_gone(study.trials[0], now=beat + STALE_AFTER_S + 1)
 
 
 SPEC = {
@@ -118,11 +155,11 @@ def test_a_resumed_study_draws_on_instead_of_repeating_its_first_draws(tmp_path:
     spec = _spec(tmp_path)
     first = open_study(spec)
     for _ in range(2):
-        claimed = claim_next(first, 4, set(), lambda t: suggest(t, spec), recall)
+        claimed = claim_next(first, 4, set(), lambda t: suggest(t, spec))
         assert claimed is not None
         first.tell(claimed.trial, 1.0)
     again = open_study(spec)  # a new process: the sampler starts over from the spec's seed...
-    claimed = claim_next(again, 4, set(), lambda t: suggest(t, spec), recall)
+    claimed = claim_next(again, 4, set(), lambda t: suggest(t, spec))
     assert claimed is not None
     drawn = [t.params["lr"] for t in again.trials[:2]]
     assert claimed.params["lr"] not in drawn  # ...plus the trials already asked, so not the first draw again
@@ -152,3 +189,21 @@ def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -
         [0.901, 0.904, 0.909]
     )
     assert c_verdict.candidate.values == pytest.approx([0.21, 0.22, 0.23])
+
+
+def test_a_crashed_trial_is_retried_in_its_own_place_and_the_count_is_kept(study: optuna.Study) -> None:
+    """A trial retried after a crash (Optuna's RetryFailedTrialCallback) runs again with its values, as its
+    origin (its directory and MLflow run), and does not use up a trial of the budget; retries are bounded."""
+    first = claim_next(study, 2, set(), draw)
+    assert first is not None
+    study.tell(first.trial, state=TrialState.FAIL)
+    assert retry(study, first.trial, max_retries=1)
+    again = claim_next(study, 2, {0}, draw)
+    assert again is not None and again.params == first.params and not again.adopted
+    assert again.trial.number == 1 and origin(study, again.trial).number == 0
+    study.tell(again.trial, state=TrialState.FAIL)
+    assert not retry(study, again.trial, max_retries=1)  # the one retry is spent: the failure counts
+    new = claim_next(study, 2, {0, 1}, draw)
+    assert new is not None and new.params != first.params and origin(study, new.trial).number == 2
+    study.tell(new.trial, 1.0)
+    assert claim_next(study, 2, {0, 1, 2}, draw) is None

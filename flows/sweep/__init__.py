@@ -4,6 +4,7 @@ spec (what is searched) → study (Optuna's storage, ownership of trials) → tr
 on the pool) → report (MLflow parent run, confirmation, the recommendation); flow composes them.
 """
 
-from flows.sweep.flow import main, sweep
+from flows.sweep.cli import main
+from flows.sweep.flow import sweep
 
 __all__ = ["main", "sweep"]

@@ -1,5 +1,5 @@
 import sys
 
-from flows.sweep.flow import main
+from flows.sweep.cli import main
 
 sys.exit(main())

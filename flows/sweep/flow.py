@@ -17,22 +17,16 @@ aliases of the base's model; the winner is registered once, under the base's nam
 
 from __future__ import annotations
 
-import argparse
 import socket
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ValidationError
+from optuna.trial import TrialState
+from prefect import flow
+from pydantic import BaseModel
 
-from flows.cli import describe_validation_error, end_quietly
-from flows.sweep import confirm
+from flows.sweep import confirm, loop
 from flows.sweep.gpus import GpuPool, host_gpus, trials_at_once
 from flows.sweep.parents import pin_parents
 from flows.sweep.report import (
@@ -45,14 +39,14 @@ from flows.sweep.report import (
     recommend,
     trial_rows,
 )
-from flows.sweep.runs import SweepContext, TrialOutcome, TrialPlan
-from flows.sweep.spec import SweepSpec, check_spec, load_spec, pretrain_command
+from flows.sweep.runs import SweepContext, TrialPlan
+from flows.sweep.spec import SweepSpec, check_spec, pretrain_command
 from flows.sweep.study import (
     Claimed,
-    claim_next,
     counts,
     home_free,
     open_study,
+    stop_requested,
     storage_url,
     study_uid,
     suggest,
@@ -60,14 +54,9 @@ from flows.sweep.study import (
     trials_dir,
 )
 from flows.sweep.trials import run_trial
-from tasks.credentials import redact
 from tasks.home import apply_embedded_defaults
 from tasks.register import RUN_TAG_VERSION
 from tasks.tracking import store
-
-trial_task = task(run_trial, name="trial", cache_policy=NO_CACHE, persist_result=False)
-WAIT_S = 30.0  # how often a sweep looks at other processes' trials before its confirmation
-STOP_WAIT_S = 300.0  # how long a stopping sweep waits for its trials' last checkpoints
 
 
 class SweepResult(BaseModel):
@@ -117,13 +106,13 @@ def _search_and_confirm(
     started = time.monotonic()
 
     def search() -> None:
-        plan_for = _search_plan(ctx, study)
-        _run_trials(study, ctx, spec.n_trials, plan_for, draw=lambda t: suggest(t, spec), recall=_params)
+        plan_for = loop.search_plan(ctx, study)
+        loop.run_trials(study, ctx, spec.n_trials, plan_for, draw=lambda t: suggest(t, spec))
 
     try:
         search()
         if spec.seeds:
-            _wait_for_other_sweeps(study, search)  # the candidates come from the whole study
+            loop.wait_for_other_sweeps(study, ctx, search)  # the candidates come from the whole study
     finally:
         log_results(spec, study, ctx.parent_run_id, ctx.uri)
     print(markdown_table(trial_rows(study)))
@@ -169,7 +158,10 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         GpuPool(host_gpus(), spec.gpus_per_trial) if spec.gpus_per_trial and spec.launch == "local" else None
     )
     parent = open_parent(spec, study, uri)
-    return SweepContext(spec, uri, parent, api_url, limit, uid, directory, pins, at_once, gpus)
+    started = time.time()
+    ctx = SweepContext(spec, uri, parent, api_url, limit, uid, directory, pins, at_once, gpus)
+    ctx.stop_asked = lambda: stop_requested(study, started)
+    return ctx
 
 
 def _default_limit(spec: SweepSpec, client: Any) -> str:
@@ -196,120 +188,6 @@ def _ensure_limit(client: Any, name: str, slots: int) -> None:
         )
 
 
-# ---------------------------------------------------------------------- running trials
-
-
-def _params(frozen: FrozenTrial) -> dict[str, Any]:
-    return dict(frozen.params)
-
-
-def _attrs(trial: optuna.trial.Trial | FrozenTrial) -> dict[str, Any]:
-    """A confirmation trial's candidate, values and seed (set when it was enqueued)."""
-    return dict(trial.user_attrs)
-
-
-def _search_plan(ctx: SweepContext, study: optuna.Study) -> Callable[[Claimed], TrialPlan]:
-    def plan_for(claimed: Claimed) -> TrialPlan:
-        number, key = claimed.trial.number, trial_key(study, claimed.trial)
-        return _plan(ctx, number, "search", claimed.params, f"trial-{number:03d}", {}, claimed.adopted, key)
-
-    return plan_for
-
-
-def _plan(
-    ctx: SweepContext,
-    number: int,
-    kind: str,
-    params: dict,
-    label: str,
-    extra: dict,
-    adopted: bool,
-    key: str,
-) -> TrialPlan:
-    spec = ctx.spec
-    directory = ctx.directory / label
-    values = {**ctx.values(params), **extra, "run_name": f"{spec.name}-{label}"}
-    if kind != "winner":  # the winner is registered under the base's model name, the trials only if asked
-        values["model_name"] = spec.sweep_model_name()
-        values["register_version"] = spec.register_trials
-    else:
-        values["register_version"] = True
-    if spec.launch == "local":
-        values["checkpoint_dir"] = str(directory / "run")
-    prune = kind == "search" and spec.pruner.name != "none"
-    return TrialPlan(number, kind, params, values, directory, prune, adopted, key)
-
-
-def _run_trials(
-    study: optuna.Study,
-    ctx: SweepContext,
-    total: int,
-    plan_for: Callable[[Claimed], TrialPlan],
-    draw: Callable[[optuna.trial.Trial], dict[str, Any]],
-    recall: Callable[[FrozenTrial], dict[str, Any]],
-) -> None:
-    """Keep `parallel` trials running until `total` are finished (adopting those a killed sweep left)."""
-    spec = ctx.spec
-    in_flight: dict[int, tuple[optuna.trial.Trial, Any]] = {}
-    mine: set[int] = set()
-    try:
-        while True:
-            while len(in_flight) < ctx.at_once:
-                claimed = claim_next(study, total, mine, draw, recall)
-                if claimed is None:
-                    break
-                plan = plan_for(claimed)
-                mine.add(plan.number)
-                resumed = " (resumed: its sweep was stopped)" if claimed.adopted else ""
-                command = pretrain_command(ctx.values(plan.params))
-                print(f"{plan.kind} trial {plan.number}{resumed}: {command}")
-                future = trial_task.with_options(task_run_name=plan.run_name).submit(plan, claimed.trial, ctx)
-                in_flight[plan.number] = (claimed.trial, future)
-            if not in_flight:
-                return
-            while not (done := [n for n, (_, f) in in_flight.items() if f.state.is_final()]):
-                time.sleep(1.0)
-            for number in done:
-                trial, future = in_flight.pop(number)
-                _tell(study, trial, future.result())
-            log_results(
-                spec, study, ctx.parent_run_id, ctx.uri, plots=False
-            )  # a killed sweep leaves its table
-    except BaseException:
-        # Ctrl-C, a cancelled flow run, a failed trial task: stop the other trials too (each writes a
-        # checkpoint and stays RUNNING in the study, released, for the next sweep to continue).
-        ctx.stopping.set()
-        for _, future in in_flight.values():
-            future.wait(timeout=STOP_WAIT_S)
-        raise
-
-
-def _wait_for_other_sweeps(study: optuna.Study, search: Callable[[], None]) -> None:
-    """Wait while other sweep processes still run trials of this study, taking over any whose process dies."""
-    while running := study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        print(f"waiting for {len(running)} trial(s) other sweep processes run before the confirmation")
-        time.sleep(WAIT_S)
-        search()
-
-
-def _tell(study: optuna.Study, trial: optuna.trial.Trial, outcome: TrialOutcome) -> None:
-    trial.set_user_attr("seconds", round(outcome.seconds, 1))
-    trial.set_user_attr("steps", outcome.steps)
-    if outcome.run_id:
-        trial.set_user_attr("mlflow_run_id", outcome.run_id)
-    if outcome.message:
-        trial.set_user_attr("message", outcome.message[-500:])
-    if outcome.state == TrialState.COMPLETE:
-        study.tell(trial, outcome.value)
-    else:
-        study.tell(trial, state=outcome.state)
-    value = "" if outcome.value is None else f" {outcome.value:.5f}"
-    print(
-        f"trial {outcome.number}: {outcome.state.name}{value} after {outcome.steps} steps, "
-        f"{outcome.seconds:,.0f} s {outcome.message}".rstrip()
-    )
-
-
 # ---------------------------------------------------------------------- confirmation and the winner
 
 
@@ -327,9 +205,11 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
         a, key = claimed.params, trial_key(study_of_seeds, claimed.trial)
         label = f"confirm-{a['key']}-seed{a['seed']}"
         extra = {"seed": a["seed"]}
-        return _plan(ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key)
+        return loop.plan(
+            ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key
+        )
 
-    _run_trials(study_of_seeds, ctx, total, plan_for, draw=_attrs, recall=_attrs)
+    loop.run_trials(study_of_seeds, ctx, total, plan_for, draw=loop.attrs_of)
     result = confirm.verdicts(study_of_seeds, chosen, spec.seeds)
     if not result:
         print("confirmation: the best configurations are the base itself; nothing to compare")
@@ -343,7 +223,7 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
     if not advice.params:
         return ["nothing registered: " + ("no trial completed" if advice.params is None else "keep the base")]
     key = f"{ctx.study_uid}.winner"
-    plan = _plan(ctx, -1, "winner", advice.params, "winner", {}, adopted=False, key=key)
+    plan = loop.plan(ctx, -1, "winner", advice.params, "winner", {}, adopted=False, key=key)
     print(f"registering the winner: {pretrain_command(ctx.values(advice.params))}")
     outcome = run_trial(plan, None, ctx)
     if outcome.state != TrialState.COMPLETE or outcome.run_id is None:
@@ -354,48 +234,3 @@ def _register_winner(spec: SweepSpec, ctx: SweepContext, advice: Recommendation)
         f"registered: models:/{version} ({spec.metric} "
         f"{outcome.value:.5f}); the registry decided whether @{spec.base_config().alias} moved"
     ]
-
-
-# ---------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes as `python -m flows.pretrain`: 0 done, 1 failed, 2 bad input, 130 stopped."""
-    from flows.sweep.study import SpecChangedError
-
-    parser = argparse.ArgumentParser(
-        prog="python -m flows.sweep", description="Search PretrainConfig values with Optuna."
-    )
-    parser.add_argument("spec", type=Path, help="YAML sweep spec (see flows/sweep/spec.py)")
-    parser.add_argument(
-        "--register",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Train and register the winner under the base's model name (default: the spec's `register`)",
-    )
-    args = parser.parse_args(argv)
-    apply_embedded_defaults()
-    try:
-        spec = load_spec(args.spec)
-    except ValidationError as err:
-        print(f"invalid sweep spec {args.spec}:\n{describe_validation_error(err)}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as err:
-        print(f"invalid sweep spec: {err}", file=sys.stderr)
-        return 2
-    try:
-        sweep(spec, register_winner=args.register)
-    except KeyboardInterrupt as err:
-        end_quietly(f"stopped: {err or 'interrupted'}; run the same command again to continue the sweep")
-        return 130
-    except SpecChangedError as err:
-        end_quietly(f"error: {redact(str(err))}")
-        return 2
-    except Exception as err:  # a storage's or a store's error may quote its URL, password and all
-        end_quietly(f"error: {redact(str(err) or type(err).__name__)}")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

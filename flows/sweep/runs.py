@@ -10,6 +10,7 @@ trial's run is the one tagged with its flow run's id.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ class TrialOutcome:
     run_id: str | None
     seconds: float
     message: str = ""
+    crashed: bool = False  # FAIL for infrastructure reasons (killed by a signal, flow run CRASHED): retried
 
 
 @dataclass
@@ -75,6 +77,7 @@ class SweepContext:
     at_once: int = 1  # trials side by side
     gpus: GpuPool | None = None  # local trials' GPUs (gpus_per_trial), else None
     stopping: threading.Event = field(default_factory=threading.Event)  # the sweep stops: so do its trials
+    stop_asked: Callable[[], bool] = lambda: False  # `python -m flows.sweep stop` was run since this start
 
     def values(self, params: dict[str, Any]) -> dict[str, Any]:
         """A run's PretrainConfig values for these sampled values, its parent the study's pinned version."""

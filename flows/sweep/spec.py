@@ -146,6 +146,11 @@ class SweepSpec(_Strict):
     register_trials: bool = Field(
         False, description="Register every trial as a version of the sweep's own model (default: none is)"
     )
+    max_retries: int = Field(
+        2,
+        ge=0,
+        description="Reruns of a trial that crashed for infrastructure reasons (never a diverged one)",
+    )
     keep_pruned: bool = Field(False, description="Keep a pruned local trial's checkpoints (default: removed)")
 
     @field_validator("pruner")

@@ -5,28 +5,36 @@ Storage: the spec's `storage`, else `LLAMAFLOW_SWEEP_STORAGE`, else a journal fi
 `make services`, `sqlite:///...`) or `journal:PATH` may be given.
 
 A trial is RUNNING from the moment it is asked until it is told. Each records its owner (host, pid and
-the process's start time) and a heartbeat. A RUNNING trial whose owner is gone (a dead process on this
-host, or no heartbeat from another host for STALE_AFTER_S) was left by a killed sweep: the next sweep
-process adopts it (same number, same parameters, same run directory, so training resumes from its
-checkpoint) instead of asking a new one. The study therefore ends with exactly `trials` trials, however
-often the sweep was killed.
+the process's start time) and a heartbeat (every HEARTBEAT_S, from its claim on, while it waits for a
+concurrency slot too). A RUNNING trial whose owner is gone (a dead process on this host, or no heartbeat
+from another host for STALE_AFTER_S) was left by a killed or stopped sweep: the next sweep process takes
+it over by ending it FAIL, a check-and-set in Optuna's storages (two processes cannot both take it), and
+queueing it again with Optuna's RetryFailedTrialCallback (RetryHeartbeatStaleTrialCallback since 4.9); the new trial continues the old one (same
+parameters, same run directory and MLflow run, so training resumes from its checkpoint). A trial that
+crashed for infrastructure reasons runs again the same way, at most `max_retries` times. A retried trial
+does not count: the study ends with `trials` trials that are not, however often the sweep was killed.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 import psutil
+from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
 from flows.services.processes import start_mark
@@ -34,12 +42,19 @@ from flows.sweep.spec import SweepSpec, check_storage, is_integer
 from tasks import home
 from tasks.credentials import redact_uri
 
+try:  # Optuna >= 4.9's name; RetryFailedTrialCallback, the same class, is its deprecated alias
+    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
+except ImportError:  # Optuna < 4.9
+    from optuna.storages import RetryFailedTrialCallback as RetryCallback  # type: ignore[no-redef]
+
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
 STALE_AFTER_S = 180.0
 HEARTBEAT_S = 15.0
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 # A trial's user attributes (what the sweep records beside Optuna's own): OWNER is {host, pid, started}.
 OWNER, HEARTBEAT = "owner", "heartbeat"
+ENDED, STOPPED, CRASHED = "ended", "sweep stopped", "crashed"  # why a trial ended FAIL and runs again
+STOP_REQUESTED = "stop_requested"  # a study user attribute: when `python -m flows.sweep stop` was run
 # The study's own id, made when it is created: Optuna's study and trial ids start again at 0 in a new
 # storage, so a sweep started over under the same name would reuse them.
 STUDY_UID = "uid"
@@ -182,8 +197,32 @@ def trials_dir(name: str, study: optuna.Study) -> Path:
 
 
 def trial_key(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> str:
-    """The tag value that names one trial of one study, in every store and across restarts."""
-    return f"{study_uid(study)}.{trial._trial_id}"
+    """The tag value that names one trial of one study, in every store and across restarts (a retry's is
+    the trial's it retries: it continues that trial's run directory and MLflow run)."""
+    return f"{study_uid(study)}.{origin(study, trial)._trial_id}"
+
+
+def origin(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> FrozenTrial:
+    """The trial that `trial` retries (Optuna's retry callback: a crash for infrastructure reasons), or
+    `trial` itself."""
+    frozen = study._storage.get_trial(trial._trial_id)
+    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):  # stable since v2.8
+        number = RetryCallback.retried_trial_number(frozen)
+    return frozen if number is None else study.get_trials(deepcopy=False)[number]
+
+
+def retry(study: optuna.Study, trial: optuna.trial.Trial, max_retries: int) -> bool:
+    """Enqueue `trial`, just told FAIL after a crash for infrastructure reasons (`ENDED` set to CRASHED
+    before), to run again (Optuna's retry callback, at most `max_retries` times a trial): whether it was."""
+    frozen = copy.deepcopy(study._storage.get_trial(trial._trial_id))  # the callback appends to its history
+    before = len(study.get_trials(deepcopy=False))
+    _requeue(study, frozen, max_retries)
+    return len(study.get_trials(deepcopy=False)) > before
+
+
+def _requeue(study: optuna.Study, frozen: FrozenTrial, max_retries: int | None) -> None:
+    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):  # stable since v2.8
+        RetryCallback(max_retry=max_retries)(study, frozen)
 
 
 def existing_study(spec: SweepSpec, suffix: str = "") -> optuna.Study | None:
@@ -239,35 +278,87 @@ def _alive(pid: int, started: str) -> bool:
 class Claimed:
     trial: optuna.trial.Trial
     params: dict[str, Any]
-    adopted: bool  # a stale trial of a killed sweep, continued
+    adopted: bool  # continues a trial whose sweep was killed or stopped (its directory, its MLflow run)
 
 
 def claim_next(
-    study: optuna.Study,
-    total: int,
-    mine: set[int],
-    draw: Callable[[optuna.trial.Trial], dict[str, Any]],
-    recall: Callable[[FrozenTrial], dict[str, Any]],
+    study: optuna.Study, total: int, mine: set[int], draw: Callable[[optuna.trial.Trial], dict[str, Any]]
 ) -> Claimed | None:
-    """A stale trial to adopt (its values from `recall`), else a new one (values from `draw`) while fewer
-    than `total` are finished or running; `mine` holds the numbers this process runs."""
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    for frozen in running:
+    """The next trial to run while fewer than `total` are finished or running (`mine`: the numbers this
+    process runs): a stale one is taken over first, then one waiting (a retry), then a new draw (`draw`
+    gives the trial's values; a retry's are its original's)."""
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if frozen.number not in mine and owner_gone(frozen):
-            trial = optuna.trial.Trial(study, frozen._trial_id)
-            mark_owner(trial)
-            return Claimed(trial, recall(frozen), True)
-    finished = len(study.get_trials(deepcopy=False, states=FINISHED))
-    if finished + len(running) >= total:
+            _take_over(study, frozen)
+    trials = study.get_trials(deepcopy=False)
+    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):
+        retried = {number for t in trials for number in RetryCallback.retry_history(t)}
+    finished = sum(
+        t.state in FINISHED and t.number not in retried for t in trials
+    )  # a retried FAIL: its retry
+    running = sum(t.state == TrialState.RUNNING for t in trials)
+    if finished + running >= total:
         return None
-    trial = study.ask()
+    trial = study.ask()  # a waiting retry first; Optuna hands a waiting trial to one process only
     mark_owner(trial)
-    return Claimed(trial, draw(trial), False)
+    first = origin(study, trial)
+    adopted = first.number != trial.number and trial.user_attrs.get(ENDED) == STOPPED
+    return Claimed(trial, draw(trial), adopted)
+
+
+def _take_over(study: optuna.Study, frozen: FrozenTrial) -> None:
+    """End a stale trial FAIL and queue it to run again as a new trial that continues it (its values,
+    directory and MLflow run): the state change is a check-and-set in every Optuna storage, so of two
+    processes that find it stale only one queues it."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    storage, trial_id = study._storage, frozen._trial_id
+    try:  # its attributes first: a finished trial's are read-only
+        storage.set_trial_user_attr(trial_id, ENDED, STOPPED)
+        storage.set_trial_user_attr(trial_id, "message", "its sweep stopped; continued by a new trial")
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except UpdateFinishedTrialError:
+        return  # another process took it over first
+    _requeue(study, copy.deepcopy(study._storage.get_trial(frozen._trial_id)), None)
+
+
+def request_stop(study: optuna.Study) -> None:
+    """Ask every sweep process running `study` now to stop (`python -m flows.sweep stop`): each stops its
+    trials after a checkpoint and ends; one started later is not affected and continues the study."""
+    study.set_user_attr(STOP_REQUESTED, time.time())
+
+
+def stop_requested(study: optuna.Study, since: float) -> bool:
+    """Whether a stop was asked for after `since` (the asking process's start)."""
+    return float(study.user_attrs.get(STOP_REQUESTED, 0.0)) > since  # read from the storage each time
 
 
 def release(trial: optuna.trial.Trial) -> None:
     """Give up a trial left unfinished (its sweep was stopped): the next sweep, even in this process, takes it."""
     trial.set_user_attr(OWNER, {"released": True})
+
+
+@contextmanager
+def keep_alive(trial: optuna.trial.Trial | None, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Beat the trial's heartbeat every `every_s` while the block runs, whatever it waits for (a concurrency
+    slot, a flow run in a queue): a sweep on another host takes over only a trial whose process is gone."""
+    if trial is None:
+        yield
+        return
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            with suppress(Exception):  # a storage hiccup: the next beat tries again
+                trial.set_user_attr(HEARTBEAT, time.time())
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def mark_owner(trial: optuna.trial.Trial) -> None:

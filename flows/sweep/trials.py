@@ -34,7 +34,7 @@ from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
 from flows.sweep.runs import RUN_CONTEXT_ENV, TAG_KEY, RunWatch, SweepContext, TrialOutcome, TrialPlan
 from flows.sweep.spec import METRICS, tokens_per_step
-from flows.sweep.study import HEARTBEAT, HEARTBEAT_S, release
+from flows.sweep.study import keep_alive, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking.runs import FLOW_RUN_TAG
 from tasks.training.checkpoint import checkpoint_dirs
@@ -51,7 +51,7 @@ class SweepInterrupted(KeyboardInterrupt):
 
 def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepContext) -> TrialOutcome:
     """Run `plan` to its end; report its scores to `trial` (pruning it when the study's pruner says so)."""
-    with _pool_slot(ctx.limit, trial):
+    with keep_alive(trial), _pool_slot(ctx.limit, trial):  # alive while it waits for a slot too
         started = time.monotonic()
         launcher: LocalTrial | DeploymentTrial = (
             LocalTrial(plan, ctx, trial) if ctx.spec.launch == "local" else DeploymentTrial(plan, ctx, trial)
@@ -78,7 +78,9 @@ def run_trial(plan: TrialPlan, trial: optuna.trial.Trial | None, ctx: SweepConte
     watch.mark(state)
     if state == TrialState.PRUNED and isinstance(launcher, LocalTrial) and not ctx.spec.keep_pruned:
         launcher.remove_checkpoints()
-    return TrialOutcome(plan.number, state, value, watch.steps_trained(), watch.run_id, seconds, message)
+    crashed = state == TrialState.FAIL and launcher.crashed
+    steps = watch.steps_trained()
+    return TrialOutcome(plan.number, state, value, steps, watch.run_id, seconds, message, crashed)
 
 
 def _follow(
@@ -91,7 +93,7 @@ def _follow(
     """Report the run's scores until it ends, stopping it when pruned or when the sweep stops:
     ((ok, message), stop sent, stopped with the sweep)."""
     scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
-    stop_sent, shutdown, beat = False, False, 0.0
+    stop_sent, shutdown = False, False
     while True:
         ended = launcher.poll()
         if ended is None and ctx.stopping.is_set() and not stop_sent:
@@ -107,9 +109,6 @@ def _follow(
                 stop_sent = True
         if ended is not None:
             return ended, stop_sent, shutdown
-        if trial is not None and time.monotonic() - beat > HEARTBEAT_S:
-            trial.set_user_attr(HEARTBEAT, time.time())
-            beat = time.monotonic()
         time.sleep(POLL_S)
 
 
@@ -148,6 +147,7 @@ class LocalTrial:
         self.process: subprocess.Popen[bytes] | None = None
         self.stopped = False
         self.interrupted = False
+        self.crashed = False  # killed by a signal it was not sent by the sweep (the OOM killer, an operator)
         self.log = plan.directory / "output.log"
         self.devices: list[str] = []  # its GPUs (gpus_per_trial), given back when it ends
 
@@ -195,6 +195,9 @@ class LocalTrial:
         if code is None:
             return None
         self.interrupted = code == 130 and not self.stopped
+        self.crashed = code < 0 and not self.stopped
+        if self.crashed:
+            return False, f"killed by signal {-code}"
         return code == 0, "" if code == 0 else f"exit code {code}: {_last_line(self.log)}"
 
     def stop(self) -> None:
@@ -234,6 +237,7 @@ class DeploymentTrial:
         self.plan, self.ctx, self.trial = plan, ctx, trial
         self.flow_run_id: str | None = None
         self.interrupted = False
+        self.crashed = False  # its flow run CRASHED (the worker or its machine lost), not FAILED
 
     def start(self) -> None:
         from prefect.deployments import run_deployment
@@ -241,19 +245,24 @@ class DeploymentTrial:
         recorded = self.trial.user_attrs.get(FLOW_RUN) if self.trial is not None else None
         state = self._state(recorded) if recorded else None
         # Still running: rejoined. Completed while no sweep watched it (the sweep was killed): its result is
-        # read from its MLflow run, not trained again.
+        # read from its MLflow run, not trained again. Crashed or cancelled: a new flow run on the same
+        # checkpoint directory resumes it.
         if state is not None and (not state.is_final() or state.is_completed()):
             self.flow_run_id = recorded
             how = "reading the result of its completed" if state.is_completed() else "rejoining its running"
             print(f"trial {self.plan.number}: {how} flow run {recorded}")
             return
+        if state is not None:
+            print(
+                f"trial {self.plan.number}: its flow run {recorded} ended {state.name}; a new one resumes "
+                f"from {self.plan.values['checkpoint_dir']}"
+            )
         from prefect.exceptions import ObjectNotFound
 
-        values = {k: v for k, v in self.plan.values.items() if k != "checkpoint_dir"}  # the worker's own
         try:
             flow_run = run_deployment(
                 self.ctx.spec.deployment,
-                parameters={"config": values},
+                parameters={"config": self.plan.values},
                 timeout=0,
                 tags=[f"sweep:{self.ctx.spec.name}", f"trial:{self.plan.number}"],
             )
@@ -283,6 +292,7 @@ class DeploymentTrial:
         state = self._state(self.flow_run_id)
         if state is None or not state.is_final():
             return None
+        self.crashed = state.is_crashed()
         return state.is_completed(), f"flow run {self.flow_run_id} {state.name}: {state.message or ''}"
 
     def stop(self) -> None:
