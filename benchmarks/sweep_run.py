@@ -29,7 +29,8 @@ from optuna.trial import TrialState
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_common import RESULTS_DIR, ROOT, load_average, machine_info, write_json  # noqa: E402
-from flows.sweep.spec import SweepSpec, load_spec, pretrain_command, trial_values  # noqa: E402
+from flows.sweep.command import pretrain_command  # noqa: E402
+from flows.sweep.spec import SweepSpec, load_spec, trial_values  # noqa: E402
 from flows.sweep.study import FINISHED, existing_study, trials_dir  # noqa: E402
 
 

@@ -48,8 +48,10 @@ BASE = {  # the tiny preset, eager, fp32, a few steps on a few KB of text: orche
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
     root = tmp_path_factory.mktemp("sweep-pool")
+    texts = stdlib_text(("textwrap.py", "shlex.py", "colorsys.py", "bisect.py"), 6000)
+    data = {"data": corpus(root, "train", texts[:3]), "val_data": corpus(root, "val", texts[3:])}
     with pool_server(root, {"LLAMAFLOW_HOME": str(root / "home")}) as server:
         deploy_from_checkout(root, server.env, "adhoc")
         with prefect_worker(POOL, server.env, root, root / "worker.log"):
@@ -59,7 +61,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[
                 "LLAMAFLOW_SWEEP_POLL_S": "0.5",
                 "OMP_NUM_THREADS": "1",
             }
-            yield root, env
+            yield root, env, data
 
 
 def _sweep(root: Path, env: dict[str, str], spec: dict) -> subprocess.Popen[bytes]:
@@ -81,9 +83,7 @@ def _trials(root: Path, name: str) -> list[optuna.trial.FrozenTrial]:
 
 
 def test_a_trial_whose_flow_run_completed_unwatched_is_told_from_its_result(pool: tuple) -> None:
-    root, env = pool
-    texts = stdlib_text(("textwrap.py", "shlex.py", "colorsys.py", "bisect.py"), 6000)
-    data = {"data": corpus(root, "train", texts[:3]), "val_data": corpus(root, "val", texts[3:])}
+    root, env, data = pool
     name = "unwatched"
     spec = {
         "name": name,
@@ -135,9 +135,7 @@ def test_a_killed_sweeps_crashed_trial_resumes_from_its_own_checkpoint_directory
     """The sweep killed with kill -9, then its trial's flow run killed on the worker (CRASHED): the next sweep
     starts a new flow run on the trial's own checkpoint directory, which resumes from its checkpoint (step
     > 0) and continues the trial's MLflow run, instead of training from scratch in a new run directory."""
-    root, env = pool
-    texts = stdlib_text(("textwrap.py", "shlex.py", "colorsys.py", "bisect.py"), 6000)
-    data = {"data": corpus(root, "train", texts[:3]), "val_data": corpus(root, "val", texts[3:])}
+    root, env, data = pool
     name = "crashed"
     spec = {
         "name": name,

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from flows.cli import config_from_args, describe_validation_error
 from flows.pretrain_config import PretrainConfig
 from flows.sweep import main
+from flows.sweep.command import pretrain_command
 from flows.sweep.gpus import GpuPool, trials_at_once
 from flows.sweep.report import (
     SIGNIFICANCE,
@@ -25,7 +26,7 @@ from flows.sweep.report import (
     paired_p_value,
     recommend,
 )
-from flows.sweep.spec import Pruner, check_spec, pretrain_command, tokens_per_step, trial_values
+from flows.sweep.spec import Pruner, check_spec, tokens_per_step, trial_values
 from flows.sweep.study import STORAGE_ENV, home_free, sampler_of, search_fingerprint, spec_record, storage_url
 
 GOOD = {
@@ -265,3 +266,25 @@ def test_the_study_keeps_its_storage_without_the_password() -> None:
     spec = check_spec({**GOOD, "storage": "postgresql+psycopg://me:s3cret@db.example/sweeps"})
     assert spec_record(spec)["storage"] == "postgresql+psycopg://me:***@db.example/sweeps"
     assert home_free(storage_url(spec)) == "postgresql+psycopg://me:***@db.example/sweeps"
+
+
+def test_each_trial_runs_a_rank_on_each_of_its_gpus_on_the_pool_too() -> None:
+    """gpus_per_trial is a trial's nproc_per_node (its flow run's parameter on the pool, the printed
+    command's flag) unless base or space sets it; a local trial's ranks cannot outnumber its GPUs."""
+    pool = {**GOOD, "launch": "deployment", "deployment": "pretrain/adhoc", "gpus_per_trial": 2}
+    spec = check_spec(pool)
+    values = trial_values(spec, {"muon_weight_decay": 0.05})
+    assert values["nproc_per_node"] == 2 and "--nproc-per-node 2" in pretrain_command(values)
+    assert tokens_per_step(PretrainConfig(**values)) == 2 * tokens_per_step(spec.base_config())
+    varied = check_spec({**pool, "space": {"nproc_per_node": {"choices": [1, 4]}}})
+    assert [trial_values(varied, {"nproc_per_node": n})["nproc_per_node"] for n in (1, 4)] == [1, 4]
+    assert "nproc_per_node" not in trial_values(check_spec(GOOD), {})  # without gpus_per_trial: its own
+    local = {**GOOD, "gpus_per_trial": 1, "space": {"nproc_per_node": {"choices": [1, 2]}}}
+    assert problems(local) == [
+        "  gpus_per_trial: a trial runs 2 ranks (nproc_per_node) but gets 1 GPU(s): raise gpus_per_trial to 2 "
+        "or lower nproc_per_node"
+    ]
+    assert problems({**GOOD, "gpus_per_trial": 1, "base": {**GOOD["base"], "nproc_per_node": 3}}) == [
+        "  gpus_per_trial: a trial runs 3 ranks (nproc_per_node) but gets 1 GPU(s): raise gpus_per_trial to 3 "
+        "or lower nproc_per_node"
+    ]

@@ -27,6 +27,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from flows.sweep import confirm, loop
+from flows.sweep.command import pretrain_command
 from flows.sweep.gpus import GpuPool, host_gpus, trials_at_once
 from flows.sweep.parents import pin_parents
 from flows.sweep.report import (
@@ -40,7 +41,7 @@ from flows.sweep.report import (
     trial_rows,
 )
 from flows.sweep.runs import SweepContext, TrialPlan
-from flows.sweep.spec import SweepSpec, check_spec, pretrain_command
+from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
     Claimed,
     counts,

@@ -13,9 +13,9 @@ from optuna.trial import FrozenTrial, TrialState
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.sweep.command import pretrain_command
 from flows.sweep.report import log_results
 from flows.sweep.runs import SweepContext, TrialOutcome, TrialPlan
-from flows.sweep.spec import pretrain_command
 from flows.sweep.study import CRASHED, ENDED, Claimed, claim_next, origin, retry, trial_key
 from flows.sweep.trials import run_trial
 from tasks import home

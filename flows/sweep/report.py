@@ -17,8 +17,9 @@ import optuna
 from mlflow.entities import Metric
 from optuna.trial import FrozenTrial, TrialState
 
+from flows.sweep.command import pretrain_command
 from flows.sweep.runs import TAG_KIND, TAG_SWEEP
-from flows.sweep.spec import SweepSpec, pretrain_command, trial_values
+from flows.sweep.spec import SweepSpec, trial_values
 from flows.sweep.study import home_free, storage_url
 from tasks.tracking import store
 

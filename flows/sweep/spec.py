@@ -13,7 +13,7 @@
                                      # (the rungs count the same unit for every trial: with tokens, each
                                      # trial's eval_every is set so that it scores at the same token counts)
     parallel: 1                      # trials at once (default 1; with gpus_per_trial: as the GPUs allow)
-    gpus_per_trial: 1                # local trials: each its own CUDA_VISIBLE_DEVICES (default 0: not set)
+    gpus_per_trial: 1                # a rank on each (nproc_per_node); local: its own CUDA_VISIBLE_DEVICES
     seeds: [1, 2, 3]                 # confirmation: the best `confirm_top` and the base, once per seed
 
 A trial's configuration is `base`, then its sampled values, then what the sweep sets itself (its run name,
@@ -22,10 +22,8 @@ its checkpoint directory, a registered-model name of the sweep's own, the budget
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -127,7 +125,8 @@ class SweepSpec(_Strict):
     gpus_per_trial: int = Field(
         0,
         ge=0,
-        description="GPUs a local trial gets as its own CUDA_VISIBLE_DEVICES (0: trials share the host)",
+        description="GPUs a trial gets: one rank on each (its nproc_per_node, unless base or space sets it), "
+        "on a local trial as its own CUDA_VISIBLE_DEVICES (0: trials share the host)",
     )
     seed: int = Field(0, description="Seeds the sampler")
     seeds: list[int] = Field(default_factory=list, description="Confirmation seeds (none: no confirmation)")
@@ -226,6 +225,8 @@ def trial_values(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
             values[name] = value
     if not values["model_overrides"]:
         del values["model_overrides"]
+    if spec.gpus_per_trial and "nproc_per_node" not in values:  # a rank on each of its GPUs
+        values["nproc_per_node"] = spec.gpus_per_trial
     if spec.budget is not None:
         steps = spec.budget.steps
         if steps is None:
@@ -244,26 +245,6 @@ def _has_rungs(spec: SweepSpec) -> bool:
     return spec.pruner.min_resource is not None or bool(
         spec.base.get("eval_every") or spec.base_config().eval_every
     )
-
-
-def pretrain_command(values: dict[str, Any]) -> str:
-    """`python -m flows.pretrain` with the flags that give the configuration of `values`."""
-    words = ["python", "-m", "flows.pretrain"]
-    if "preset" in values:  # first: the flags after it read as changes to it
-        words += ["--preset", str(values["preset"])]
-    for name, value in values.items():
-        if name == "preset":
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            words.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif value is None:
-            words += [flag, "none"]
-        elif isinstance(value, dict | list | tuple):
-            words += [flag, json.dumps(value)]
-        else:
-            words += [flag, str(value)]
-    return shlex.join(words)
 
 
 # ---------------------------------------------------------------------- validation
@@ -367,8 +348,24 @@ def _check_search(spec: SweepSpec, base: PretrainConfig, problem: Problem) -> No
     tokens = spec.budget.tokens if spec.budget is not None else None
     if tokens is not None and tokens < tokens_per_step(base):
         problem(("budget", "tokens"), f"{tokens} tokens is less than one step ({tokens_per_step(base)})")
+    _check_gpus(spec, problem)
     if spec.seeds and spec.confirm_top > spec.n_trials:
         problem(("confirm_top",), f"{spec.confirm_top} is more than the {spec.n_trials} trials")
+
+
+def _check_gpus(spec: SweepSpec, problem: Problem) -> None:
+    """A local trial's ranks each need a GPU of its own (CUDA_VISIBLE_DEVICES holds gpus_per_trial)."""
+    if spec.launch != "local" or not spec.gpus_per_trial:
+        return
+    ranks = [spec.base.get("nproc_per_node")]
+    if (dim := spec.space.get("nproc_per_node")) is not None:
+        ranks += dim.choices if dim.choices is not None else [dim.high]
+    if (most := max((r for r in ranks if isinstance(r, int)), default=0)) > spec.gpus_per_trial:
+        problem(
+            ("gpus_per_trial",),
+            f"a trial runs {most} ranks (nproc_per_node) but gets {spec.gpus_per_trial} GPU(s): raise "
+            f"gpus_per_trial to {most} or lower nproc_per_node",
+        )
 
 
 def _integer_field(name: str) -> bool:
