@@ -16,6 +16,7 @@ from flows.sweep import confirm
 from flows.sweep.report import params_key
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
+    ENDED,
     HEARTBEAT,
     OWNER,
     STALE_AFTER_S,
@@ -77,6 +78,7 @@ def test_a_trial_is_taken_over_only_when_its_sweep_is_gone(study: optuna.Study) 
     # continues it (its values, its origin's directory and MLflow run).
     again = claim_next(study, 2, set(), draw)
     assert again is not None and again.adopted and study.trials[0].state == TrialState.FAIL
+    assert study.trials[1].user_attrs[ENDED] == ""  # why its predecessor ended is not its own
     assert again.trial.number == 1 and again.params == first.params and origin(study, again.trial).number == 0
     assert not owner_gone(study.trials[again.trial.number])  # it is this process's now
     # The count: the taken-over trial does not count; ours and a new one make 2; then nothing more.

@@ -303,6 +303,9 @@ def claim_next(
     mark_owner(trial)
     first = origin(study, trial)
     adopted = first.number != trial.number and trial.user_attrs.get(ENDED) == STOPPED
+    if first.number != trial.number:  # a retry: the callback copied why its predecessor ended; not its own
+        for name in (ENDED, "message"):
+            trial.set_user_attr(name, "")
     return Claimed(trial, draw(trial), adopted)
 
 
