@@ -53,8 +53,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Test files are spread over TEST_WORKERS processes, each file whole on one (its module fixtures start once);
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 # The GPU machines' image: Python 3.12, torch, transformers, tokenizers, safetensors, numpy; no pydantic.
 # Its requirement (the version bound) is read from pyproject.toml, so the wheels match what the code needs.
