@@ -179,6 +179,9 @@ def _fit_with_torchrun(
             f"checkpoint_dir ({run_dir}) to resume from its newest checkpoint"
         )
     result = read_result(result_path, RESULT_WAIT_S) if process.returncode == 0 else None
+    input_error = rendezvous.rank_input_error(agent_error) if result is None else None
+    if input_error is not None:  # the rank's own words, not "torchrun failed": the user has to act on them
+        raise TrainingInputError(input_error)
     if result is None:
         raise TrainingError(
             rendezvous.failure_message(settings, run_dir, agent_error, process.returncode, started)

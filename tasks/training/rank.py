@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from model.atomic import write_text_atomic
 from tasks.home import apply_embedded_defaults
@@ -21,6 +22,7 @@ from tasks.training.engine import run_process
 from tasks.training.launch import RESULT_FILE, WorkerSpec
 
 
+@record  # the exception a rank ends with reaches torchrun's agent, and from it the launcher (launch.py)
 def main(spec_path: str) -> None:
     apply_embedded_defaults()
     spec = WorkerSpec.model_validate_json(Path(spec_path).read_text())
