@@ -64,4 +64,7 @@ def test_gpu_check_cpu_smoke_runs_without_prefect_mlflow_or_psutil(tmp_path: Pat
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert report["cpu_smoke"] is True
-    assert {"hf_parity", "compiled_bf16_step", "attention", "engine_torchrun_1_process"} <= set(report)
+    sections = {"hf_parity", "compiled_bf16_step", "attention", "engine_torchrun_1_process"}
+    assert sections | {"fsdp_2_ranks_one_device_resume"} <= set(report)
+    assert report["checks"] and all(check["ok"] for check in report["checks"].values()), report["checks"]
+    assert report["fsdp_2_ranks_one_device_resume"]["killed_and_restarted"] is True

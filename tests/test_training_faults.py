@@ -18,8 +18,8 @@ import pytest
 from model import get_preset
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
-from tasks.training import TrainingInterrupted, TrainSettings, fit
-from tasks.training.checkpoint import checkpoint_dirs, checkpoint_problem
+from tasks.training import TrainingInputError, TrainingInterrupted, TrainSettings, fit
+from tasks.training.checkpoint import MODEL_FILE, checkpoint_dirs, checkpoint_problem
 from tasks.training.faults import ENV_VAR
 from tasks.training.launch import WorkerSpec
 from tasks.training.metrics import METRICS_FILE
@@ -81,6 +81,28 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_every_step_reaches_the_sink_
     assert logged.count(3) == 2  # the step re-run after the restart ...
     assert sink.steps == [1, 2, 3, 4, 5, 6]  # ... reached the sink once: complete, in order, no duplicates
     assert [s for s, _ in checkpoint_dirs(tmp_path / "run")] == [4, 6]
+
+
+def test_bad_input_found_on_a_rank_reaches_the_caller_in_the_ranks_own_words(
+    inputs: tuple[ModelRef, DatasetRef], tmp_path: Path
+) -> None:
+    """A TrainingInputError raised on the ranks under torchrun (here: the run directory's only checkpoint is
+    damaged, which the ranks find when they look for one to resume) is what `fit` raises, with the ranks'
+    message, not a generic "torchrun failed"."""
+    model, dataset = inputs
+    run_dir = tmp_path / "run"
+    fit(model, dataset, _settings(max_steps=2, checkpoint_every=2), run_dir, progress=False)
+    [(_, step_dir)] = checkpoint_dirs(run_dir)
+    weights = bytearray((step_dir / MODEL_FILE).read_bytes())
+    weights[-1] ^= 0xFF
+    (step_dir / MODEL_FILE).write_bytes(bytes(weights))
+
+    settings = _settings(nproc_per_node=2, max_steps=4, checkpoint_every=2)
+    with pytest.raises(TrainingInputError) as refused:
+        fit(model, dataset, settings, run_dir, progress=False)
+    message = str(refused.value)
+    assert message.startswith(f"{run_dir} holds 1 checkpoint(s) and none is valid"), message
+    assert "model.safetensors does not match its sha256" in message and "torchrun" not in message
 
 
 def test_a_stop_keeps_its_checkpoint_when_writing_it_outlasts_torchruns_default_shutdown_timeout(

@@ -131,6 +131,7 @@ def join_rendezvous(
             f"node {node}: the nodes see the shared storage at different paths ({'; '.join(differ)}); mount it "
             "at the same path on every node (the same LLAMAFLOW_HOME)"
         )
+    _log().info(f"node {node}: joining node 0's rendezvous at {endpoint}")
     return settings.model_copy(update={"rdzv_endpoint": str(endpoint)})
 
 
@@ -208,8 +209,8 @@ def _wait(runs: list[Any], deadline: float, settings: TrainSettings) -> str | No
                 if bad or time.monotonic() > deadline:
                     why = _describe(current, bad, settings)
                     _cancel([r.id for r in current if r not in ended], why)
-                    _wait_ended(client, ids, settings.stop_grace_s + 60)
-                    return why
+                    lost = _wait_ended(client, ids, settings.stop_grace_s + 60)
+                    return why + _mark_lost(client, ids, lost, settings.stop_grace_s + 60)
                 time.sleep(2 * POLL_S)
     except BaseException:
         _cancel(ids, "the pretrain run stopped")
@@ -248,11 +249,30 @@ def _cancel(ids: list[Any], why: str) -> None:
             client.set_flow_run_state(flow_run_id, state(message=why[:500]))
 
 
-def _wait_ended(client: Any, ids: list[Any], timeout_s: float) -> None:
-    """Until every node run has ended (its torchrun stopped, its lock released), at most `timeout_s`."""
+def _wait_ended(client: Any, ids: list[Any], timeout_s: float) -> list[Any]:
+    """Until every node run has ended (its torchrun stopped, its lock released), at most `timeout_s`; returns
+    the runs that had not ended by then."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         runs = [client.read_flow_run(i) for i in ids]
-        if all(r.state is not None and r.state.is_final() for r in runs):
-            return
+        waiting = [r for r in runs if r.state is None or not r.state.is_final()]
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
         time.sleep(POLL_S)
+
+
+def _mark_lost(client: Any, ids: list[Any], lost: list[Any], waited_s: float) -> str:
+    """Node runs that did not stop after their cancellation have nobody left to end them (their host, or
+    their worker, is gone: no process reports for them): Crashed, so that the UI and the pool do not show
+    them running forever. Returns what to add to the failure's description."""
+    from prefect.states import Crashed
+
+    for run in lost:
+        message = f"did not stop within {waited_s:.0f} s of its cancellation: its host or worker is gone"
+        client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+    nodes = ", ".join(f"node {ids.index(run.id)} (flow run {run.name})" for run in lost)
+    return (
+        f"; {nodes} did not stop within {waited_s:.0f} s (host or worker gone?): marked Crashed"
+        if lost
+        else ""
+    )

@@ -10,6 +10,8 @@ Comma-separated `name=step` pairs, steps counted as completed optimizer steps (1
   directory (a restarted group goes on).
 - `kill_node_at_step=3`: the same, together with its torchrun agent: the node is gone.
 - `checkpoint_delay_s=40`: every checkpoint write pauses 40 seconds halfway (a slow file system).
+- `torchrun_delay_s=80`: the launcher waits 80 seconds before it first starts torchrun in a run directory
+  (a head node still busy while the other nodes' torchrun already waits for its rendezvous store).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _KNOWN = (
     "kill_rank_at_step",
     "kill_node_at_step",
     "checkpoint_delay_s",
+    "torchrun_delay_s",
 )
 
 
@@ -46,6 +49,11 @@ class FaultInjector:
     def __init__(self, run_dir: Path) -> None:
         self.faults = injected_faults()
         self.run_dir = run_dir
+
+    def before_launch(self) -> None:
+        delay = self.faults.get("torchrun_delay_s")
+        if delay and self._first_time("torchrun_delay_s"):
+            time.sleep(delay)
 
     def before_step(self, step: int) -> None:
         if self.faults.get("crash_at_step") == step:

@@ -23,6 +23,7 @@ from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import rendezvous
 from tasks.training.engine import run_process, validate_inputs
 from tasks.training.errors import TrainingError, TrainingInputError, TrainingInterrupted
+from tasks.training.faults import FaultInjector
 from tasks.training.metrics import METRICS_FILE, MetricSink, tail_metrics
 from tasks.training.openmp import openmp_env
 from tasks.training.run_lock import hold_run_dir
@@ -148,6 +149,7 @@ def _fit_with_torchrun(
     # restarted group reads the dead group's addresses and cannot connect (pytorch issues 135712, 167288).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(rendezvous.transport_env(settings, env))
+    FaultInjector(run_dir).before_launch()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="llamaflow-torchrun-") as scratch:
         # torchrun's agent writes the exception it ends with here (a rendezvous timeout, failed workers).
@@ -179,6 +181,9 @@ def _fit_with_torchrun(
             f"checkpoint_dir ({run_dir}) to resume from its newest checkpoint"
         )
     result = read_result(result_path, RESULT_WAIT_S) if process.returncode == 0 else None
+    input_error = rendezvous.rank_input_error(agent_error) if result is None else None
+    if input_error is not None:  # the rank's own words, not "torchrun failed": the user has to act on them
+        raise TrainingInputError(input_error)
     if result is None:
         raise TrainingError(
             rendezvous.failure_message(settings, run_dir, agent_error, process.returncode, started)

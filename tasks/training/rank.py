@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from model.atomic import write_text_atomic
 from tasks.home import apply_embedded_defaults
@@ -20,7 +21,19 @@ from tasks.training.distributed import context_from_env, leave_process_group
 from tasks.training.engine import run_process
 from tasks.training.launch import RESULT_FILE, WorkerSpec
 
+BACKEND_ENV = "LLAMAFLOW_DIST_BACKEND"
 
+
+def process_group_backend(use_cuda: bool) -> str:
+    """NCCL on CUDA, gloo on CPU; `LLAMAFLOW_DIST_BACKEND=gloo` on CUDA lets several ranks share one GPU (NCCL
+    refuses two ranks on one device), as benchmarks/gpu_check.py runs a 2-rank job on one GPU."""
+    chosen = os.environ.get(BACKEND_ENV) or ("nccl" if use_cuda else "gloo")
+    if chosen not in ("nccl", "gloo"):
+        raise SystemExit(f"{BACKEND_ENV}={chosen!r}: use nccl or gloo (or leave it unset)")
+    return chosen
+
+
+@record  # the exception a rank ends with reaches torchrun's agent, and from it the launcher (launch.py)
 def main(spec_path: str) -> None:
     apply_embedded_defaults()
     spec = WorkerSpec.model_validate_json(Path(spec_path).read_text())
@@ -31,7 +44,7 @@ def main(spec_path: str) -> None:
     if launched:
         # A peer that stops answering (a lost node) fails the job in minutes, not after torch's 30.
         timeout = timedelta(minutes=settings.process_group_timeout_min)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
+        dist.init_process_group(backend=process_group_backend(use_cuda), timeout=timeout)
     try:
         ref = run_process(
             spec.model_ref,

@@ -246,6 +246,15 @@ def read_agent_error(path: Path) -> str | None:
         return None
 
 
+def rank_input_error(agent_error: str | None) -> str | None:
+    """The message of the TrainingInputError a rank ended with (bad input found on a rank: checkpoints
+    that do not fit the settings, none valid), when it is the job's root cause; None otherwise. A rank's
+    exception reaches the agent's error file as `TYPE: MESSAGE` through torchrun's `@record` (rank.py)."""
+    kind, sep, message = (agent_error or "").partition(": ")
+    names = {cls.__name__ for cls in (TrainingInputError, *TrainingInputError.__subclasses__())}
+    return message.strip() if sep and kind in names and message.strip() else None
+
+
 def failure_message(
     settings: TrainSettings, run_dir: Path, agent_error: str | None, returncode: int, started: float
 ) -> str:
