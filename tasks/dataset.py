@@ -22,40 +22,22 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from prefect import task
 from prefect.context import TaskRunContext
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data import token_store
+from tasks.data import packing, token_store
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import (
-    Corpus,
-    CorpusSplit,
-    DataError,
-    DataSettings,
-    blake,
-    corpus_of_parameters,
-    resolve_corpus,
-)
+from tasks.data.corpus import Corpus, DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
 from tasks.data.errors import data_logger
-from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
-from tasks.data.tokens import (
-    PartSpec,
-    TokenShard,
-    pack_parts,
-    part_key,
-    plan_shards,
-    tokenize_part,
-    tokenize_shard,
-)
+from tasks.data.packing import parts_of, too_few_tokens
+from tasks.data.tokens import TokenShard, plan_shards, tokenize_shard
 from tasks.refs import DatasetRef, TokenizerRef
 
 
@@ -76,26 +58,15 @@ def dataset_fingerprint(
     )
 
 
-def _too_few_tokens(split: str, tokens: int, seq_len: int, *, estimated: bool) -> DataError:
-    amount = f"at most {tokens}" if estimated else f"{tokens}"
-    return DataError(
-        f"The {split} split has {amount} tokens, fewer than one block of seq_len + 1 = {seq_len + 1}. "
-        f"Use a smaller seq_len (at most {max(tokens - 1, 1)}), more data, or a larger val_fraction / val_data "
-        "for the validation split."
-    )
-
-
 def _early_checks(corpus: Corpus, seq_len: int, add_bos: bool) -> None:
     """Byte-level BPE emits at most one token per byte, so text bytes bound the token count."""
-    for split in (corpus.train, corpus.val):
+    for split in (*corpus.train.leaves(), *corpus.val.leaves()):
         if split.bytes is None:
             continue
         documents = max(len(split.parts), 1)
         bound = split.bytes + documents * (1 + int(add_bos))
         if split.bytes == 0 or bound < seq_len + 1:
-            raise _too_few_tokens(
-                split.name, bound if split.bytes else 0, seq_len, estimated=bool(split.bytes)
-            )
+            raise too_few_tokens(split, bound if split.bytes else 0, seq_len, estimated=bool(split.bytes))
 
 
 # ------------------------------------------------------------------------------------------ building
@@ -164,7 +135,7 @@ def build_dataset(
         dtype = token_dtype(tokenizer.vocab_size)
         # Held shared: no prune of the token cache between looking the parts up and packing them.
         with token_store.in_use(), atomic_dir(directory) as staged:
-            meta = _build_into(
+            meta = packing.build_into(
                 staged.path,
                 corpus,
                 tokenizer,
@@ -186,153 +157,6 @@ def build_dataset(
     return ref
 
 
-def _parts(split: CorpusSplit) -> list[PartSpec]:
-    return [PartSpec.of(part, split.text_field) for part in split.parts]
-
-
-def _tokenize_split(
-    staging: Path,
-    split: CorpusSplit,
-    short: str,
-    corpus: Corpus,
-    tokenizer: TokenizerRef,
-    seq_len: int,
-    *,
-    keep_remainder: bool,
-    add_bos: bool,
-    dtype: np.dtype,
-    num_proc: int,
-) -> tuple[int, int, int, dict[str, int]]:
-    """Write `<short>.npy`; returns (blocks, stream tokens, kept tokens, {"documents", "bytes"})."""
-    if split.table is not None:
-        counts = {"documents": 0, "bytes": 0}
-        raw = staging / f"{short}.tokens.bin"
-        chunks = token_chunks(
-            split,
-            tokenizer,
-            add_bos=add_bos,
-            dtype=dtype,
-            num_proc=num_proc,
-            streaming=corpus.settings.streaming,
-            counts=counts,
-        )
-        n_tokens = write_tokens(chunks, raw)
-        if n_tokens < seq_len + 1:
-            raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
-        blocks, kept = pack_stream(
-            raw,
-            staging / f"{short}.npy",
-            n_tokens,
-            seq_len=seq_len,
-            keep_remainder=keep_remainder,
-            pad_id=tokenizer.pad_id,
-            dtype=dtype,
-        )
-        raw.unlink()
-        return blocks, n_tokens, kept, counts
-    return _pack_files(
-        staging / f"{short}.npy", split, tokenizer, seq_len, keep_remainder, add_bos, dtype, num_proc
-    )
-
-
-def _pack_files(
-    npy: Path,
-    split: CorpusSplit,
-    tokenizer: TokenizerRef,
-    seq_len: int,
-    keep_remainder: bool,
-    add_bos: bool,
-    dtype: np.dtype,
-    num_proc: int,
-) -> tuple[int, int, int, dict[str, int]]:
-    """A local files' split from the token cache (tokenizing the parts it lacks in `num_proc` threads)."""
-    parts = _parts(split)
-    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
-    root = token_store.tokens_dir()
-    done = [token_cache.cached_counts(key, root) for key in keys]
-    missing = [i for i, counts in enumerate(done) if counts is None]
-    if missing:  # what a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads
-        with ThreadPoolExecutor(max_workers=num_proc) as pool:
-            fresh = pool.map(lambda i: tokenize_part(parts[i], tokenizer, add_bos, dtype.name), missing)
-            for i, counts in zip(missing, fresh, strict=True):
-                done[i] = counts
-    n_tokens = sum(c["tokens"] for c in done)  # type: ignore[index]
-    if n_tokens < seq_len + 1:
-        raise _too_few_tokens(split.name, n_tokens, seq_len, estimated=False)
-    blocks, n_tokens, kept = pack_parts(
-        keys,
-        [c["tokens"] for c in done],  # type: ignore[index]
-        npy,
-        seq_len=seq_len,
-        keep_remainder=keep_remainder,
-        pad_id=tokenizer.pad_id,
-        dtype=dtype,
-    )
-    counts = {
-        "documents": sum(c["documents"] for c in done),  # type: ignore[index]
-        "bytes": sum(c["bytes"] for c in done),  # type: ignore[index]
-    }
-    return blocks, n_tokens, kept, counts
-
-
-def _build_into(
-    staging: Path,
-    corpus: Corpus,
-    tokenizer: TokenizerRef,
-    seq_len: int,
-    *,
-    keep_remainder: bool,
-    add_bos: bool,
-    dtype: np.dtype,
-    num_proc: int,
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "seq_len": seq_len,
-        "vocab_size": tokenizer.vocab_size,
-        "bos_id": tokenizer.bos_id,
-        "eos_id": tokenizer.eos_id,
-        "pad_id": tokenizer.pad_id,
-        "dtype": dtype.name,
-        "keep_remainder": keep_remainder,
-        "add_bos": add_bos,
-        "format": FORMAT_VERSION,
-    }
-    stats: dict[str, Any] = {
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "corpus": corpus.train.description,
-    }
-    # Validation first: it is small, and a too-small val split should fail before the long train pass.
-    for split, short in ((corpus.val, "val"), (corpus.train, "train")):
-        blocks, n_tokens, kept, counts = _tokenize_split(
-            staging,
-            split,
-            short,
-            corpus,
-            tokenizer,
-            seq_len,
-            keep_remainder=keep_remainder,
-            add_bos=add_bos,
-            dtype=dtype,
-            num_proc=num_proc,
-        )
-        meta[f"{short}_blocks"], meta[f"{short}_tokens"] = blocks, kept - blocks  # row[0] is never a target
-        stats.update(
-            {
-                f"{short}_documents": counts["documents"],
-                f"{short}_stream_tokens": n_tokens,
-                f"{short}_bytes": counts["bytes"],
-                f"{short}_dropped_tokens": n_tokens - kept,
-            }
-        )
-    stream = stats["train_stream_tokens"] + stats["val_stream_tokens"]
-    stats["documents"] = stats["train_documents"] + stats["val_documents"]
-    stats["tokens"] = stream
-    stats["blocks"] = meta["train_blocks"] + meta["val_blocks"]
-    stats["bytes_per_token"] = round((stats["train_bytes"] + stats["val_bytes"]) / stream, 4)
-    meta["stats"] = stats
-    return meta
-
-
 def plan_tokenization(
     data: str | DataSettings | None,
     tokenizer: TokenizerRef,
@@ -351,7 +175,8 @@ def plan_tokenization(
     fingerprint = dataset_fingerprint(corpus, tokenizer, seq_len, keep_remainder, add_bos)
     if is_complete(datasets_dir() / fingerprint):
         return []
-    parts = [part for split in (corpus.val, corpus.train) if split.table is None for part in _parts(split)]
+    splits = (*corpus.val.leaves(), *corpus.train.leaves())
+    parts = [part for split in splits if split.table is None for part in parts_of(split)]
     dtype = token_dtype(tokenizer.vocab_size).name
     shards = plan_shards(
         parts,

@@ -188,10 +188,11 @@ def test_jsonl_records_pack_with_eos_between_documents(
 
 _RACER = """
 import sys, time
+import tasks.data.packing as packing
 import tasks.dataset as stage
 from tasks.refs import TokenizerRef
 
-build_into = stage._build_into
+build_into = packing.build_into
 
 def slow_build_into(*args, **kwargs):
     with open(sys.argv[4], "a") as log:  # one line per tokenizing build
@@ -199,7 +200,7 @@ def slow_build_into(*args, **kwargs):
     time.sleep(3)  # long enough that the other racer arrives while this one builds
     return build_into(*args, **kwargs)
 
-stage._build_into = slow_build_into
+packing.build_into = slow_build_into
 ref = stage.build_dataset(sys.argv[1], TokenizerRef.model_validate_json(sys.argv[2]), int(sys.argv[3]),
                           val_fraction=0.2, num_proc=1)
 print(ref.model_dump_json())

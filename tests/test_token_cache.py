@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import tasks.dataset
+import tasks.data.packing
 from flows import cache as cache_cli
 from stdlib_corpus import MODULES, copy_modules
 from tasks.data import token_store
@@ -114,7 +114,7 @@ def test_a_prune_in_another_process_waits_for_a_running_build(
 ) -> None:
     """The build is held between looking its parts up and packing them while a second process prunes the
     whole cache: the prune must wait, and the build must pack exactly its corpus's tokens."""
-    pack_parts = tasks.dataset.pack_parts
+    pack_parts = tasks.data.packing.pack_parts
     pruner: list[subprocess.Popen[str]] = []
     first_line: list[str] = []
 
@@ -132,7 +132,7 @@ def test_a_prune_in_another_process_waits_for_a_running_build(
             first_line.append(pruner[0].stdout.readline())  # type: ignore[union-attr]
         return pack_parts(*args, **kwargs)
 
-    monkeypatch.setattr(tasks.dataset, "pack_parts", pack_while_pruning)
+    monkeypatch.setattr(tasks.data.packing, "pack_parts", pack_while_pruning)
     ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
     out, _ = pruner[0].communicate(timeout=60)
     assert first_line == ["waiting for running data builds to finish\n"], first_line

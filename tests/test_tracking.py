@@ -18,7 +18,7 @@ import pytest
 from tasks import home
 from tasks.refs import DatasetRef
 from tasks.tracking import report, store
-from tasks.tracking.dataset_source import PackedSplitSource
+from tasks.tracking.dataset_source import TAG_WEIGHT, PackedSplitSource
 from tasks.tracking.sink import MlflowSink, start_system_metrics
 from tasks.training.metrics import JsonlMetrics
 
@@ -52,6 +52,7 @@ def _dataset(tmp_path: Path, fingerprint: str = "f" * 64) -> DatasetRef:
     directory.mkdir(parents=True)
     np.save(directory / "train.npy", np.zeros((10, 129), dtype=np.uint16))
     np.save(directory / "val.npy", np.zeros((2, 129), dtype=np.uint16))
+    (directory / "meta.json").write_text("{}")
     return DatasetRef(
         path=str(directory),
         fingerprint=fingerprint,
@@ -136,6 +137,30 @@ def test_training_and_validation_datasets_are_mlflow_data_inputs(run_id: str, tm
     assert train.source_type == "llamaflow"
     assert json.loads(train.source) == {"path": "packed-abc/train.npy", "fingerprint": ref.fingerprint}
     assert str(tmp_path) not in train.source + val.source
+
+
+def test_a_mixtures_sources_are_inputs_with_their_weights_and_tokens(run_id: str, tmp_path: Path) -> None:
+    ref = _dataset(tmp_path)
+    mixture = [  # as the data stage writes it (tests/test_data_mixture.py checks those values)
+        {"source": "web/*.jsonl", "weight": 0.75, "fingerprint": "a" * 64, "stream_tokens": 900, "blocks": 9},
+        {"source": "hf:code", "weight": 0.25, "fingerprint": "b" * 64, "stream_tokens": 100, "blocks": 3},
+    ]
+    for item in mixture:
+        item.update(val_stream_tokens=50, val_blocks=1)
+    (Path(ref.path) / "meta.json").write_text(json.dumps({"mixture": mixture}))
+    store.log_datasets(run_id, ref)
+    store.log_datasets(run_id, ref)  # a continued run: no second record
+    inputs = store.get_client().get_run(run_id).inputs.dataset_inputs
+    weighted = {i.dataset.name: i for i in inputs if any(t.key == TAG_WEIGHT for t in i.tags)}
+    assert len(inputs) == 4 and set(weighted) == {"packed-abc/web/*.jsonl", "packed-abc/hf:code"}
+    for item in mixture:
+        recorded = weighted[f"packed-abc/{item['source']}"]
+        tags = {t.key: t.value for t in recorded.tags}
+        assert tags == {TAG_WEIGHT: repr(item["weight"]), "mlflow.data.context": "training"}
+        profile = json.loads(recorded.dataset.profile)
+        assert (profile["weight"], profile["stream_tokens"]) == (item["weight"], item["stream_tokens"])
+        assert recorded.dataset.digest == item["fingerprint"][:36]
+        assert str(tmp_path) not in recorded.dataset.source
 
 
 def test_a_dataset_under_the_home_is_stored_relative_to_it(run_id: str) -> None:

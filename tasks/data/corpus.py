@@ -17,7 +17,7 @@ unless `hf_val_split` names a split.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tasks.data.documents import VAL, generate_documents, is_val, part_texts
@@ -62,9 +62,19 @@ class CorpusSplit:
     table_select: tuple[str, float] | None = None
     bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A mixture's split: each source's split of this side and its weight (normalized to sum to 1).
+    components: tuple[tuple[str, float, CorpusSplit], ...] = ()
+
+    def leaves(self) -> tuple[CorpusSplit, ...]:
+        """The splits that hold documents: this one, or each source's of a mixture."""
+        return tuple(split for _, _, split in self.components) or (self,)
 
     def texts(self) -> Iterator[str]:
         """Documents one by one, without holding the corpus in memory."""
+        if self.components:
+            for leaf in self.leaves():
+                yield from leaf.texts()
+            return
         if self.table is not None:
             for row in table_dataset(self.table, self.table_select):
                 if row["text"]:
@@ -75,12 +85,27 @@ class CorpusSplit:
 
     def sample(self, limit: int | None) -> tuple[Iterator[str], str]:
         """About `limit` bytes of this split's documents, chosen by their identity (deterministic, spread over
-        the whole split), and what the choice adds to a fingerprint ("" when the split is taken whole)."""
+        the whole split), and what the choice adds to a fingerprint ("" when the split is taken whole).
+        A mixture's sample takes from each source its weight's share of `limit`."""
+        if self.components:
+            return self._mixture_sample(limit)
         size = None if self.table is not None else sum(p.file.size for p in self.parts)
         if limit is None or (size is not None and size <= limit):
             return self.texts(), ""
         rate = 1.0 if not size else min(1.0, limit / size)  # a table's size is unknown: its first documents
         return self._sampled(rate, limit), f"sample={limit}"
+
+    def _mixture_sample(self, limit: int | None) -> tuple[Iterator[str], str]:
+        picks = [
+            split.sample(None if limit is None else max(1, int(limit * w))) for _, w, split in self.components
+        ]
+
+        def texts() -> Iterator[str]:
+            for iterator, _ in picks:
+                yield from iterator
+
+        added = [sample for _, sample in picks]
+        return texts(), (f"mixture-sample={added}" if any(added) else "")
 
     def _sampled(self, rate: float, limit: int) -> Iterator[str]:
         left = limit
@@ -229,6 +254,48 @@ def _table_splits(source: str, settings: DataSettings) -> tuple[CorpusSplit, Cor
     )
 
 
+# ---------------------------------------------------------------------------------------- mixtures
+
+MIXTURE_RULE = "mixture-v1"
+
+
+def _tagged(split: CorpusSplit, source: str) -> CorpusSplit:
+    return replace(split, extra={**split.extra, "mixture_source": source})
+
+
+def _mixture(settings: DataSettings) -> Corpus:
+    """Each source resolved (and split by its own documents' identities) alone; the mixture's splits hold
+    them with their normalized weights, and its fingerprints cover every source's and every weight."""
+    items = settings.sources() or ()
+    total = sum(item.weight for item in items)
+    corpora = [
+        (item.source, item.weight / total, resolve_corpus(settings.model_copy(update={"data": item.source})))
+        for item in items
+    ]
+    splits = []
+    for name in (_TRAIN, VAL):
+        components = tuple(
+            (source, weight, _tagged(corpus.train if name == _TRAIN else corpus.val, source))
+            for source, weight, corpus in corpora
+        )
+        fingerprint = blake(
+            FORMAT_VERSION, MIXTURE_RULE, *(f"{s.fingerprint}:{round(w, 12)!r}" for _, w, s in components)
+        )
+        description = " + ".join(f"{w:.3g} × {s.description}" for _, w, s in components)
+        sizes = [s.bytes for _, _, s in components]
+        splits.append(
+            CorpusSplit(
+                name,
+                fingerprint,
+                f"mixture: {description}",
+                text_field=settings.text_field,
+                bytes=None if None in sizes else sum(sizes),  # type: ignore[arg-type]
+                components=components,
+            )
+        )
+    return Corpus(settings, *splits)
+
+
 # ---------------------------------------------------------------------------------------- resolving
 
 
@@ -250,6 +317,8 @@ def corpus_of_parameters(parameters: Mapping[str, Any]) -> Corpus:
 def resolve_corpus(data: str | DataSettings | None = None, **overrides: Any) -> Corpus:
     """Find, read and fingerprint the corpus, and decide its split; tokenizes nothing."""
     settings = as_settings(data, **overrides)
+    if settings.sources() is not None:
+        return _mixture(settings)
     source = settings.data or "stdlib"
     if settings.val_data is not None:
         return Corpus(

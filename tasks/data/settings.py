@@ -3,12 +3,55 @@ data stages take (`PretrainConfig` is one, so every field is a CLI flag and a YA
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.data.errors import DataError
 from tasks.data.sources import check_source, kind_of
+
+
+class MixtureSource(BaseModel):
+    """One source of a mixture and its weight (weights are relative: 0.7/0.3 and 7/3 are one mixture)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str
+    weight: float
+
+    @model_validator(mode="after")
+    def _check(self) -> Any:
+        if not math.isfinite(self.weight) or self.weight <= 0:
+            raise DataError(
+                f"weight={self.weight} of source {self.source!r} must be a positive number (weights are "
+                "relative: 0.7 and 0.3, or 7 and 3); leave a source out of the list instead of weighting it 0"
+            )
+        check_source(self.source)
+        return self
+
+
+def _mixture_error(problem: str) -> DataError:
+    return DataError(
+        f"{problem}; a mixture is data: [{{source: PATH, weight: 0.7}}, {{source: PATH2, weight: 0.3}}] in YAML, "
+        """or --data '[{"source": "PATH", "weight": 0.7}, {"source": "PATH2", "weight": 0.3}]'"""
+    )
+
+
+def _mixture_item(item: Any) -> MixtureSource:
+    """One item of a mixture, validated here so that its error is the only one (not one per union branch)."""
+    if isinstance(item, MixtureSource):
+        return item
+    if not isinstance(item, dict) or "source" not in item or "weight" not in item:
+        raise _mixture_error(f"mixture item {item!r} needs a source and a weight")
+    try:
+        return MixtureSource.model_validate(item)
+    except ValidationError as err:
+        cause = err.errors()[0].get("ctx", {}).get("error")
+        if isinstance(cause, DataError):
+            raise cause from None
+        raise _mixture_error(f"mixture item {item!r}: {err.errors()[0]['msg']}") from None
 
 
 class DataSettings(BaseModel):
@@ -16,11 +59,12 @@ class DataSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    data: str | None = Field(
+    data: str | tuple[MixtureSource, ...] | None = Field(
         None,
         description="Corpus: None/'stdlib' = this interpreter's standard library sources; a file, directory "
         "(e.g. of Parquet shards) or glob of .txt .md .py .jsonl[.gz|.zst] .json .parquet; a dataset saved "
-        "with datasets' save_to_disk; 'hf:NAME[:CONFIG]'",
+        "with datasets' save_to_disk; 'hf:NAME[:CONFIG]'; or a mixture, a JSON list "
+        '[{"source": ..., "weight": 0.7}, ...] (each source holds out its own validation documents)',
     )
     val_data: str | None = Field(
         None,
@@ -51,16 +95,51 @@ class DataSettings(BaseModel):
         description="Stream a Hugging Face dataset instead of caching it as Arrow (corpora beyond disk)",
     )
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _parse_mixture(cls, value: Any) -> Any:
+        """A mixture given as one string (the command line's --data, a deployment parameter) is JSON."""
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError as err:
+                raise _mixture_error(
+                    f"data={value!r} starts like a mixture but is not JSON ({err})"
+                ) from None
+        if isinstance(value, list | tuple):
+            if not value:
+                raise _mixture_error("data=[] names no source")
+            return tuple(_mixture_item(item) for item in value)
+        return value
+
     @model_validator(mode="after")
     def _check_sources(self) -> Any:
+        if isinstance(self.data, tuple):
+            self._check_mixture()
         for source in (self.data, self.val_data):
-            check_source(source)
+            if not isinstance(source, tuple):
+                check_source(source)
         if self.hf_val_split is not None and not kind_of(self.data).named_splits:
             raise DataError(
                 f"hf_val_split={self.hf_val_split!r} names a split of a Hugging Face dataset, but data="
                 f"{self.data!r} is not one: drop hf_val_split (val_fraction or val_data hold out text)"
             )
         return self
+
+    def _check_mixture(self) -> None:
+        sources = [item.source for item in self.data]  # type: ignore[union-attr]
+        repeated = sorted({s for s in sources if sources.count(s) > 1})
+        if repeated:
+            raise _mixture_error(f"the mixture lists {repeated} more than once: give each source once")
+        if self.val_data is not None or self.hf_val_split is not None:
+            raise DataError(
+                "a mixture holds out validation documents from each of its sources (val_fraction): drop "
+                "val_data / hf_val_split, or add the validation text as a source of its own"
+            )
+
+    def sources(self) -> tuple[MixtureSource, ...] | None:
+        """The mixture's sources, or None for a single source."""
+        return self.data if isinstance(self.data, tuple) else None
 
     def data_settings(self) -> DataSettings:
         """The data options alone (for a subclass such as PretrainConfig: the object the data stages take)."""

@@ -7,12 +7,18 @@ reads the run elsewhere, and a `$LLAMAFLOW_HOME/...` path resolves in every home
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from mlflow.data.dataset_source import DatasetSource
+from mlflow.entities import Dataset, DatasetInput, InputTag
+from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
 from tasks import home
+from tasks.credentials import redact
+
+TAG_WEIGHT = "llamaflow.weight"
 
 
 class PackedSplitSource(DatasetSource):
@@ -51,3 +57,25 @@ class PackedSplitSource(DatasetSource):
     @classmethod
     def from_dict(cls, source_dict: dict[str, Any]) -> PackedSplitSource:
         return cls(source_dict["path"], source_dict["fingerprint"])
+
+
+def mixture_inputs(dataset_dir: Path, mixture: list[dict[str, Any]]) -> list[DatasetInput]:
+    """One `training` input per source of a mixture (`meta.json`'s "mixture"): named by the source as the
+    config gave it, its digest the source's train-split fingerprint, its weight a tag of the input and, with
+    its token and block counts, the dataset's profile."""
+    inputs = []
+    for item in mixture:
+        source = PackedSplitSource.of(dataset_dir / "train.npy", item["fingerprint"])
+        profile = {
+            key: item[key] for key in ("weight", "stream_tokens", "blocks", "val_stream_tokens", "val_blocks")
+        }
+        entity = Dataset(
+            name=f"{dataset_dir.name}/{redact(item['source'])}",
+            digest=item["fingerprint"][:MAX_DATASET_DIGEST_SIZE],
+            source_type=source._get_source_type(),
+            source=json.dumps(source.to_dict()),
+            profile=json.dumps(profile),
+        )
+        tags = [InputTag("mlflow.data.context", "training"), InputTag(TAG_WEIGHT, repr(item["weight"]))]
+        inputs.append(DatasetInput(entity, tags=tags))
+    return inputs

@@ -27,6 +27,7 @@ from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE, MAX_PARAM_VAL_LENGT
 
 from tasks import home
 from tasks.credentials import clean_uri, redact, redact_uri, remember_secret, split_userinfo
+from tasks.data.packed import read_meta
 from tasks.refs import DatasetRef
 from tasks.tracking.code_version import code_version_tags
 
@@ -273,11 +274,12 @@ def log_params(run_id: str, params: Mapping[str, Any], uri: str | None = None) -
 
 def log_datasets(run_id: str, dataset: DatasetRef, uri: str | None = None) -> None:
     """The packed training and validation splits as `mlflow.data` datasets of the run (contexts
-    `training` and `validation`), digest = the dataset fingerprint. Logged once per run."""
+    `training` and `validation`), digest = the dataset fingerprint, and a mixture's sources with their
+    weights and token counts (`dataset_source.mixture_inputs`). Logged once per run."""
     import numpy as np
     from mlflow.data import from_numpy
 
-    from tasks.tracking.dataset_source import PackedSplitSource
+    from tasks.tracking.dataset_source import PackedSplitSource, mixture_inputs
 
     client = get_client(uri)
     present = {(i.dataset.name, i.dataset.digest) for i in client.get_run(run_id).inputs.dataset_inputs or []}
@@ -293,5 +295,7 @@ def log_datasets(run_id: str, dataset: DatasetRef, uri: str | None = None) -> No
         data = from_numpy(blocks, source=source, name=name, digest=digest)
         tags = [InputTag(key="mlflow.data.context", value=context)]
         inputs.append(DatasetInput(data._to_mlflow_entity(), tags=tags))
+    mixture = mixture_inputs(root, read_meta(root).get("mixture", []))
+    inputs += [i for i in mixture if (i.dataset.name, i.dataset.digest) not in present]
     if inputs:
         client.log_inputs(run_id, datasets=inputs)
