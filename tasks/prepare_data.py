@@ -13,8 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from prefect.futures import PrefectFutureList
+
 from model import LlamaConfig
 from tasks.data.errors import DataError, data_logger
+from tasks.data.progress import Progress
 from tasks.data.settings import DataSettings
 from tasks.data.tokens import TokenShard
 from tasks.dataset import build_dataset_task, plan_tokenization_task, tokenize_shard_task
@@ -93,9 +96,18 @@ def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[dict[s
     if not shards:
         return []
     if data.task_runner == "threads":
-        return tokenize_shard_task.map(shards).result()
+        return _await(tokenize_shard_task.map(shards), shards)
     with _dask_runner(data) as runner:
-        return runner.map(tokenize_shard_task, parameters={"shard": shards}).result()
+        return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
+
+
+def _await(futures: PrefectFutureList[dict[str, float]], shards: list[TokenShard]) -> list[dict[str, float]]:
+    """The shards' results, with the progress of their bytes (in map order: shards are similar in size)."""
+    with Progress("tokenizing", sum(shard.bytes for shard in shards)) as progress:
+        for future, shard in zip(futures, shards, strict=True):
+            future.wait()
+            progress.update(shard.bytes)
+    return futures.result()
 
 
 def build_data(data: DataSettings, tokenizer: TokenizerRef, seq_len: int, *, seed: int) -> DatasetRef:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.corpus import DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
 from tasks.data.errors import data_logger
+from tasks.data.progress import Progress, counted_bytes
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"
@@ -142,9 +144,12 @@ def train_tokenizer(
             min_frequency=min_frequency,
             special_tokens=list(SPECIAL_TOKENS),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=sys.stderr.isatty(),
         )
-        tokenizer.train_from_iterator(texts, trainer=trainer)
+        sizes = [size for size in (sample_bytes, corpus.train.bytes) if size is not None]
+        # Counts the text read; BPE's merges after the last text are not counted (its own bar shows them).
+        with Progress("tokenizer training: reading text", min(sizes) if sizes else None) as progress:
+            tokenizer.train_from_iterator(counted_bytes(texts, progress), trainer=trainer)
         ids = {
             "bos_id": tokenizer.token_to_id(BOS),
             "eos_id": tokenizer.token_to_id(EOS),

@@ -4,6 +4,7 @@ in the workers, not in this process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -52,17 +53,29 @@ def _recorded_shard_runs(flow_run_id: str, expected: int) -> int:
 
 
 def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_builds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     corpus = tmp_path / "corpus"
     copy_modules(corpus, FILES)
     monkeypatch.setattr(tokens, "SHARD_BYTES", 16 << 10)  # several shards for the workers to share
-    built = {}
-    for runner in ("threads", "dask"):
-        monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / runner))  # each tokenizes from an empty cache
-        tokenizer = train_tokenizer(str(corpus), 300, val_fraction=0.2)
-        settings = DataSettings(data=str(corpus), val_fraction=0.2, task_runner=runner)
-        built[runner] = _build(settings, tokenizer)
+    monkeypatch.setenv("LLAMAFLOW_PROGRESS_SECONDS", "0")  # a progress line per shard done
+    flow_log = logging.getLogger("prefect.flow_runs")
+    flow_log.addHandler(caplog.handler)
+    built, progress = {}, {}
+    try:
+        for runner in ("threads", "dask"):
+            monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / runner))  # each tokenizes from an empty cache
+            tokenizer = train_tokenizer(str(corpus), 300, val_fraction=0.2)
+            settings = DataSettings(data=str(corpus), val_fraction=0.2, task_runner=runner)
+            caplog.clear()
+            built[runner] = _build(settings, tokenizer)
+            progress[runner] = [
+                r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing: ")
+            ]
+    finally:
+        flow_log.removeHandler(caplog.handler)
+    for runner, lines in progress.items():  # the mapped shards' progress, in the flow's log
+        assert len(lines) >= 2 and "(100%)" in lines[-1] and "B/s, ETA 00:00" in lines[-1], (runner, lines)
     (threads, by_threads, _), (dask, by_dask, dask_run) = built["threads"], built["dask"]
     assert len(by_dask) == len(by_threads) >= 2
     assert {int(r["pid"]) for r in by_threads} == {os.getpid()}

@@ -18,6 +18,7 @@ from tasks.data.corpus import Corpus, CorpusSplit, DataError
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.mixture import concat_blocks, mix_blocks, mixture_seed
 from tasks.data.packed import FORMAT_VERSION
+from tasks.data.progress import Progress
 from tasks.data.tokens import PartSpec, pack_parts, part_key, tokenize_part
 from tasks.refs import TokenizerRef
 
@@ -99,10 +100,12 @@ def _pack_files(
     done = [token_cache.cached_counts(key, root) for key in keys]
     missing = [i for i, counts in enumerate(done) if counts is None]
     if missing:  # what a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads
-        with ThreadPoolExecutor(max_workers=num_proc) as pool:
+        size = sum(parts[i].size for i in missing)
+        with ThreadPoolExecutor(max_workers=num_proc) as pool, Progress("tokenizing", size) as progress:
             fresh = pool.map(lambda i: tokenize_part(parts[i], tokenizer, add_bos, dtype.name), missing)
             for i, counts in zip(missing, fresh, strict=True):
                 done[i] = counts
+                progress.update(parts[i].size)
     n_tokens = sum(c["tokens"] for c in done)  # type: ignore[index]
     if n_tokens < seq_len + 1:
         raise too_few_tokens(split, n_tokens, seq_len, estimated=False)

@@ -34,6 +34,7 @@ from tasks.data.documents import part_texts
 from tasks.data.errors import blake
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, split_suffix
+from tasks.data.progress import Progress
 from tasks.data.token_store import entry_paths, tokens_dir
 from tasks.refs import TokenizerRef
 
@@ -243,15 +244,17 @@ def pack_parts(
     flat = out.reshape(-1)
     root = tokens_dir()
     offset = 0
-    for key, length in zip(keys, lengths, strict=True):
-        if offset == kept:
-            break
-        take = min(length, kept - offset)
-        if take == 0:  # a part without tokens (an empty file): the parts after it still count
-            continue
-        data, _ = entry_paths(key, root)
-        flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
-        offset += take
+    with Progress(f"packing {npy_path.name}", kept, unit=" tokens") as progress:
+        for key, length in zip(keys, lengths, strict=True):
+            if offset == kept:
+                break
+            take = min(length, kept - offset)
+            if take == 0:  # a part without tokens (an empty file): the parts after it still count
+                continue
+            data, _ = entry_paths(key, root)
+            flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
+            offset += take
+            progress.update(take)
     flat[offset:] = pad_id
     out.flush()
     del out
