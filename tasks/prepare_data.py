@@ -9,11 +9,13 @@ must see the corpus files and LLAMAFLOW_HOME at the same paths (a shared file sy
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from prefect.futures import PrefectFutureList
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from model import LlamaConfig
 from tasks.data.errors import DataError, data_logger
@@ -96,7 +98,10 @@ def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[dict[s
     if not shards:
         return []
     if data.task_runner == "threads":
-        return _await(tokenize_shard_task.map(shards), shards)
+        # A runner of its own: the flow's default starts a thread per shard at once (no bound), a tokenizer
+        # and its buffers in each (5.4 GiB peak at 1 GB of JSONL); one per core is as fast.
+        with ThreadPoolTaskRunner(max_workers=os.cpu_count() or 1) as runner:
+            return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
     with _dask_runner(data) as runner:
         return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
 

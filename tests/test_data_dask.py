@@ -79,6 +79,8 @@ def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_bu
     (threads, by_threads, _), (dask, by_dask, dask_run) = built["threads"], built["dask"]
     assert len(by_dask) == len(by_threads) >= 2
     assert {int(r["pid"]) for r in by_threads} == {os.getpid()}
+    # A thread per core at most, not one per shard (a check where there are more shards than cores: here).
+    assert len({r["thread"] for r in by_threads}) <= min(os.cpu_count() or 1, len(by_threads))
     assert os.getpid() not in {int(r["pid"]) for r in by_dask}
     assert _recorded_shard_runs(dask_run, len(by_dask)) == len(
         by_dask

@@ -191,7 +191,12 @@ def tokenize_shard(shard: TokenShard) -> dict[str, float]:
         totals["parts"] += 1
         for name in ("tokens", "documents", "bytes"):
             totals[name] += counts[name]
-    return {**totals, "seconds": round(time.perf_counter() - started, 3), "pid": os.getpid()}
+    return {
+        **totals,
+        "seconds": round(time.perf_counter() - started, 3),
+        "pid": os.getpid(),
+        "thread": threading.get_ident(),
+    }
 
 
 def plan_shards(
