@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from huggingface_hub import constants as hf_constants
 from prefect import flow
@@ -27,7 +28,7 @@ from flows.pretrain_config import PretrainConfig
 from flows.result import lineage_lines
 from hf_checkpoint import COMMIT, put_in_hf_cache, save_hf_llama
 from registry_world import sqlite_store
-from stdlib_corpus import copy_modules
+from stdlib_corpus import copy_modules, stdlib_text
 from tasks import home
 from tasks.build import parent_config
 from tasks.data import tokens
@@ -38,7 +39,7 @@ from tasks.init_from.optimizer import check_parent_optimizer
 from tasks.init_from.parent_cache import weights_sha256
 from tasks.lookup import download_model_files
 from tasks.prepare_data import build_data
-from tasks.refs import CheckpointRef
+from tasks.refs import CheckpointRef, DatasetRef
 from tasks.registry import lineage
 from tasks.registry.publish import log_version
 from tasks.tokenize import import_tokenizer, train_tokenizer
@@ -227,3 +228,45 @@ def test_files_to_tokenize_run_as_mapped_tasks_of_the_flow(
     second_run, second = data_stage(config, tokenizer.path)
     assert _shard_runs(second_run, 1) == ["COMPLETED"]  # one mapped task, for the one new file
     assert second != first
+
+
+BOOK = ["argparse.py", "difflib.py", "inspect.py", "pathlib.py", "calendar.py"]  # 6 segments, 3 held out
+
+
+def _documents(dataset: DatasetRef, split: str) -> list[str]:
+    """The documents of a built split, decoded from its blocks (split at EOS; the last one may be cut)."""
+    decoder = Tokenizer.from_file(str(Path(dataset.path) / "tokenizer.json"))
+    stream = np.load(Path(dataset.path) / f"{split}.npy").reshape(-1).tolist()
+    eos = import_tokenizer(str(Path(dataset.path) / "tokenizer.json")).eos_id
+    documents, start = [], 0
+    for i, token in enumerate([*stream, eos]):
+        if token == eos:
+            documents.append(decoder.decode(stream[start:i], skip_special_tokens=False))
+            start = i + 1
+    return [d for d in documents if d]
+
+
+def test_a_continued_run_on_a_grown_corpus_never_scores_the_champion_on_its_training_text(
+    prefect_api, tmp_path: Path
+) -> None:
+    """Night 1 trains on one long prose file; the corpus grows by a file in a new subdirectory; night 2
+    continues from night 1's champion and scores both on its validation text: none of it night 1 trained on."""
+    root = tmp_path / "nightly"
+    (root / "books").mkdir(parents=True)
+    (root / "books" / "guide.txt").write_text("\n".join(stdlib_text(BOOK)))
+    pattern = str(root / "**" / "*.txt")
+    night = {**FAST, "data": pattern, "val_fraction": 0.3, "model_name": "nightly"}
+    with sqlite_store(tmp_path):
+        first = pretrain(PretrainConfig(**night, vocab_size=512))
+        assert first.registered.promoted
+        (root / "new").mkdir()
+        (root / "new" / "notes.txt").write_text("\n".join(stdlib_text(["sched.py", "queue.py"])))
+        second = pretrain(PretrainConfig(**night, init_from="models:/nightly@champion"))
+    assert second.parent.version == first.registered.version
+    assert second.registered.champion_version == first.registered.version  # scored on night 2's text
+    trained = "".join(_documents(first.dataset, "train"))
+    night1_val = _documents(first.dataset, "val")
+    night2_val = _documents(second.dataset, "val")
+    seen = [doc[:2000] for doc in night2_val if doc[:2000] in trained]
+    assert not seen, f"{len(seen)} of night 2's {len(night2_val)} validation documents were trained on"
+    assert any(doc in night1_val for doc in night2_val)  # the first file's held-out text is still held out
