@@ -43,6 +43,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument(
+        "--sample-bytes", type=int, default=None, help="tokenizer training sample (default: the flow's)"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # before tokenizers starts its pool
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,7 +58,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="llamaflow-bench-") as tmp:
         os.environ["LLAMAFLOW_HOME"] = str(Path(tmp) / "tokenizer-home")
-        tokenizer = train_tokenizer(args.data, args.vocab_size)
+        sample = {} if args.sample_bytes is None else {"sample_bytes": args.sample_bytes}
+        tokenizer = train_tokenizer(args.data, args.vocab_size, **sample)
         corpus = resolve_corpus(args.data)
         texts = [*corpus.val.texts(), *corpus.train.texts()]
         for repeat in range(args.repeats):
@@ -77,13 +82,14 @@ def main() -> None:
         "bytes": sum(len(t.encode()) for t in texts),
         "tokens": library_tokens,
         "threads": args.threads,
+        "tokenizer_sample_bytes": args.sample_bytes,
         "cpu": os.cpu_count(),
         "load_before": [round(x, 1) for x in load_before],
         "load_after": [round(x, 1) for x in os.getloadavg()],
         "rows": rows,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

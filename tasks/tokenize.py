@@ -25,7 +25,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from model.atomic import atomic_dir
 from tasks import home
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
-from tasks.data.corpus import DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
+from tasks.data.corpus import (
+    CorpusSplit,
+    DataError,
+    DataSettings,
+    blake,
+    corpus_of_parameters,
+    resolve_corpus,
+)
 from tasks.data.errors import data_logger
 from tasks.data.progress import Progress, counted_bytes
 from tasks.refs import TokenizerRef
@@ -146,7 +153,7 @@ def train_tokenizer(
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=sys.stderr.isatty(),
         )
-        sizes = [size for size in (sample_bytes, corpus.train.bytes) if size is not None]
+        sizes = [size for size in (sample_bytes, _text_bound(corpus.train)) if size is not None]
         # Counts the text read; BPE's merges after the last text are not counted (its own bar shows them).
         with Progress("tokenizer training: reading text", min(sizes) if sizes else None) as progress:
             tokenizer.train_from_iterator(counted_bytes(texts, progress), trainer=trainer)
@@ -169,6 +176,17 @@ def train_tokenizer(
             f"in {stats['seconds']:.1f} s"
         )
     return load_tokenizer_ref(directory)
+
+
+def _text_bound(split: CorpusSplit) -> int | None:
+    """About the text of a split: its files' bytes (JSON escapes make records' a little more; a file split
+    by documents counts whole), None where unknown (a table, a compressed file)."""
+    sizes: dict[str, int] = {}
+    for leaf in split.leaves():
+        if leaf.table is not None or any(part.file.codec for part in leaf.parts):
+            return None
+        sizes.update((part.file.path, part.file.size) for part in leaf.parts)
+    return sum(sizes.values())
 
 
 def _find(vocab: dict[str, int], names: tuple[str, ...]) -> int | None:
