@@ -133,6 +133,13 @@ def slurm_cluster(
     `partition_up=False`: jobs are queued but none starts before `Slurm.open_partition()` (a test can submit
     while a server its jobs need is still starting)."""
     check_available()
+    # slurmd's step sockets (SPOOL/HOST_JOB.4294967291) are Unix sockets, whose paths hold at most 108 bytes.
+    longest = len(f"{hosts.local}/slurm/spool/{max(hosts.hosts, key=len)}_999999.4294967291")
+    if longest > 107:
+        raise ValueError(
+            f"the hosts' root {hosts.root} is too long for SLURM's step sockets ({longest} > 107 bytes): "
+            "build the cluster under a short directory (e.g. tempfile.mkdtemp(prefix='llf-'))"
+        )
     root = hosts.shared / "slurm"
     root.mkdir(parents=True, exist_ok=True)
     key = root / "munge.key"

@@ -12,11 +12,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,15 +79,26 @@ def _checkpoints(run: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in run.glob("step_*") if (p / "manifest.json").exists())
 
 
+@pytest.fixture()
+def short_root() -> Iterator[Path]:
+    """The hosts' root: SLURM's step sockets are Unix sockets in it (at most 108 bytes of path), too long
+    under pytest's tmp_path (longer still under xdist: .../popen-gw1/test_a_slurm_job_cancelled_mid0/)."""
+    root = Path(tempfile.mkdtemp(prefix="llf-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.e2e
-def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(tmp_path: Path) -> None:
+def test_a_slurm_job_cancelled_mid_run_is_resubmitted_resumes_and_registers(
+    tmp_path: Path, short_root: Path
+) -> None:
     command = doc_command()
     assert command[:3] == ["python", "-m", "flows.slurm"] and "--submit" in command, command
     command[0] = sys.executable
     command[command.index("--gpus-per-node") + 1] = "0"
     name = f"slurm-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    with cluster_for_test(tmp_path, ["head", "node1"]) as hosts:
+    with cluster_for_test(short_root, ["head", "node1"]) as hosts:
         api_url = _start_prefect_server(hosts, tmp_path / "prefect-server.log")  # while SLURM starts
         with slurm_cluster(hosts, partition_up=False) as slurm:
             ready = functools.partial(_wait_healthy, hosts, api_url, tmp_path / "prefect-server.log")
