@@ -304,6 +304,8 @@ def check_fsdp_resume(work: Path, preset: str, seq: int, device: str) -> dict[st
     which resumes there). Both runs' final weights and loss curves are compared."""
     from safetensors.torch import load_file
 
+    from tasks.training.checkpoint_weights import whole_weights
+
     config = get_preset(preset)
     os.environ["LLAMAFLOW_HOME"] = str(work / "home")
     model = build_model(config, seed=0)
@@ -338,7 +340,8 @@ def check_fsdp_resume(work: Path, preset: str, seq: int, device: str) -> dict[st
         os.environ.pop(FAULTS_ENV, None)
         os.environ.pop(BACKEND_ENV, None)
     killed_dir = work / "killed"
-    weights = {name: load_file(str(Path(ref.path) / "model.safetensors")) for name, (ref, _) in runs.items()}
+    # FSDP2 checkpoints hold each rank's slices; the whole file is made from them when asked for.
+    weights = {name: load_file(str(whole_weights(Path(ref.path)))) for name, (ref, _) in runs.items()}
     diff = max(
         float((weights["unkilled"][k].float() - weights["killed"][k].float()).abs().max())
         for k in weights["unkilled"]

@@ -27,6 +27,7 @@ from tasks.training.metrics import METRICS_FILE, read_metrics
 REPO = Path(__file__).resolve().parents[1]
 PORT = 4200  # inside the head's own network namespace: nothing else listens there
 HEAD_LATE_S = 140  # node 0's torchrun starts this late; see the test
+NODE_LATE_S = 90  # in the retry, node1's worker starts this long after node 0 opened the rendezvous
 # The pretrain run, on the head (the test's own process is on none of the hosts).
 PRETRAIN = """
 import json, sys
@@ -190,7 +191,7 @@ def test_a_late_head_and_a_host_killed_mid_run_at_an_explicit_endpoint(pool: Poo
     A host killed: node1's checkpoint writes pause 8 s halfway; while it writes the checkpoint of step 4, every
     process on node1 is SIGKILLed (its worker, the flow run, torchrun, the rank). node1's flow run, which
     nothing can end any more, is marked Crashed after the group's bounded wait; the group's retry (node1's
-    worker back, arriving after node 0 opened the rendezvous) resumes from step 2, the newest valid
+    worker back NODE_LATE_S after node 0 opened the rendezvous: a late host) resumes from step 2, the newest valid
     checkpoint; the run completes and registers, and MLflow holds each step once."""
     started = time.monotonic()
     endpoint = f"{pool.hosts['head'].address}:29517"
@@ -223,7 +224,8 @@ def test_a_late_head_and_a_host_killed_mid_run_at_an_explicit_endpoint(pool: Poo
     pool.hosts["node1"].kill_all()  # the machine is gone, in the middle of writing the checkpoint of step 4
     retry = pool.logs["head"].stat().st_size
     pool.wait_in_log("head", opened, pretrain, out, retry)
-    pool.start_worker("node1")  # back, after the head
+    time.sleep(NODE_LATE_S)
+    pool.start_worker("node1")  # back, NODE_LATE_S after the head opened the rendezvous (rdzv_timeout_s 180)
 
     result = _result(pretrain, out, pool)
     assert result["step"] == 6 and result["version"] == "1", result
