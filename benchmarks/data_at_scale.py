@@ -31,12 +31,23 @@ _PLAN = re.compile(r"tokenizing (\d+) of (\d+) files \(([\d,]+) bytes\)")
 _DATASET = re.compile(r"dataset \w+: (\d+) documents, ([\d,]+) tokens.*?, ([\d.]+) s")
 
 
-def _tree_rss(process: psutil.Process) -> int:
-    total = 0
+def _tree_rss(process: psutil.Process) -> dict[str, int]:
+    """Resident bytes of the process and each of its descendants, by "pid name"."""
+    rss = {}
     for p in [process, *process.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
+            command = p.cmdline()
+            name = " ".join(a for a in command[1:4] if not a.startswith("/")) or p.name()
+            rss[f"{p.pid} {name[:60]}"] = p.memory_info().rss
+    return rss
+
+
+def _stage_lines(text: str) -> list[str]:
+    """The log lines that time the stages: each task's end (of the mapped shards only the first and last)."""
+    lines = [line for line in text.splitlines() if "Finished in state" in line or "tokenizer " in line]
+    shards = [i for i, line in enumerate(lines) if "tokenize_shard" in line]
+    middle = set(shards[1:-1])
+    return [line for i, line in enumerate(lines) if i not in middle]
 
 
 def run_flow(data: str, home: Path, extra: list[str]) -> dict[str, object]:
@@ -54,9 +65,11 @@ def run_flow(data: str, home: Path, extra: list[str]) -> dict[str, object]:
     with log.open("w") as out:
         child = subprocess.Popen([*command, *extra], cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT)
         process = psutil.Process(child.pid)
-        peak = 0
+        peak, at, breakdown = 0, 0.0, {}
         while child.poll() is None:
-            peak = max(peak, _tree_rss(process))
+            rss = _tree_rss(process)
+            if sum(rss.values()) > peak:
+                peak, at, breakdown = sum(rss.values()), time.perf_counter() - started, rss
             time.sleep(0.2)
     wall = time.perf_counter() - started
     text = log.read_text(errors="replace")
@@ -67,15 +80,16 @@ def run_flow(data: str, home: Path, extra: list[str]) -> dict[str, object]:
     return {
         "wall_s": round(wall, 1),
         "peak_rss_gib": round(peak / 2**30, 3),
+        "peak_at_s": round(at, 1),  # since the flow started: find its stage in the log lines' times
+        "peak_by_process_gib": {name: round(b / 2**30, 3) for name, b in breakdown.items() if b > 2**26},
+        "started_at": time.strftime("%H:%M:%S", time.localtime(time.time() - wall)),
         "files_tokenized": int(plan.group(1)) if plan else 0,
         "files": int(plan.group(2)) if plan else None,
         "bytes_tokenized": int(plan.group(3).replace(",", "")) if plan else 0,
         "dataset_tokens": int(dataset.group(2).replace(",", "")) if dataset else None,
         "dataset_build_s": float(dataset.group(3)) if dataset else None,
         "dataset_cached": "cached at" in text and not dataset,
-        "log_lines": [line for line in text.splitlines() if "tokeniz" in line.lower() or "dataset" in line][
-            :12
-        ],
+        "log_lines": _stage_lines(text),
     }
 
 
