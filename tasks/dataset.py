@@ -186,7 +186,7 @@ def plan_tokenization(
         shard_bytes=shard_bytes or token_cache.SHARD_BYTES,  # read now: a test or benchmark may set it
     )
     data_logger().info(
-        f"tokenizing {sum(len(s.parts) for s in shards)} of {len(parts)} files "
+        f"tokenizing {sum(s.files for s in shards)} of {len(token_cache.file_groups(parts))} files "
         f"({sum(s.bytes for s in shards):,} bytes) in {len(shards)} shards; the rest are cached"
     )
     return shards

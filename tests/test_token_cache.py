@@ -5,6 +5,7 @@ it is about to read."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -139,3 +140,35 @@ def test_a_prune_in_another_process_waits_for_a_running_build(
     assert "removed" in out and token_store.entries() == []
     train = np.load(Path(ref.path) / "train.npy")
     np.testing.assert_array_equal(train.reshape(-1), _train_stream(corpus_dir, tokenizer)[: train.size])
+
+
+_opened_jsonl: list[str] = []
+
+
+def _record_opens(event: str, args: tuple) -> None:
+    if event == "open" and isinstance(args[0], str) and args[0].endswith(".jsonl"):
+        _opened_jsonl.append(args[0])
+
+
+def test_a_record_file_with_documents_on_both_sides_is_read_once_into_both_entries(
+    home: Path, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "records"
+    corpus.mkdir()
+    texts = [f"document {i}: " + "words of the corpus " * (i % 7 + 1) for i in range(400)]
+    (corpus / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenizer = train_tokenizer(str(corpus), 300, val_fraction=0.2)
+    (shard,) = plan_tokenization(str(corpus), tokenizer, SEQ_LEN, val_fraction=0.2)
+    assert (len(shard.parts), shard.files, shard.bytes) == (2, 1, (corpus / "all.jsonl").stat().st_size)
+
+    sys.addaudithook(_record_opens)  # stays for the process; it only records .jsonl opens
+    _opened_jsonl.clear()
+    tokenize_shard(shard)
+    assert _opened_jsonl == [str(corpus / "all.jsonl")]
+
+    tok = Tokenizer.from_file(tokenizer.path)
+    split = resolve_corpus(str(corpus), val_fraction=0.2)
+    for part, side in zip(shard.parts, (split.val, split.train), strict=True):
+        data, _ = token_store.entry_paths(part_key(part, tokenizer, shard.add_bos, shard.dtype))
+        expected = [i for t in side.texts() for i in tok.encode(t).ids + [tokenizer.eos_id]]
+        np.testing.assert_array_equal(np.fromfile(data, dtype=shard.dtype), expected)

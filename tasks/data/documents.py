@@ -11,7 +11,7 @@ under the key of other bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from tasks.data.errors import DataError, not_utf8, unit_hash
 from tasks.data.files import FilePart, SourceFile
@@ -48,7 +48,14 @@ def _documents(file: SourceFile, raw: HashingReader, text_field: str) -> Iterato
 
 def part_texts(part: FilePart, text_field: str) -> Iterator[str]:
     """The texts of a part's documents, in file order; raises DataError when the file's bytes changed."""
-    file = part.file
+    return (text for _, text in routed_texts(part.file, [part.select], text_field))
+
+
+def routed_texts(
+    file: SourceFile, selects: Sequence[tuple[str, float] | None], text_field: str
+) -> Iterator[tuple[int, str]]:
+    """Each document of `file` in one read, as (index of the first selection it falls in, text); documents in
+    none are skipped (`None` selects the whole file). Raises DataError when the file's bytes changed."""
     try:
         handle = open(file.path, "rb")  # noqa: SIM115 (closed by the `with` below)
     except FileNotFoundError as err:
@@ -59,8 +66,14 @@ def part_texts(part: FilePart, text_field: str) -> Iterator[str]:
         raw = HashingReader(handle)
         try:
             for identity, text in _documents(file, raw, text_field):
-                if part.select is None or is_val(identity, part.select[1]) == (part.select[0] == VAL):
-                    yield text
+                position = None  # the identity's unit hash, computed once per document
+                for index, select in enumerate(selects):
+                    if select is not None:
+                        position = unit_hash(identity) if position is None else position
+                        if (position < select[1]) != (select[0] == VAL):  # is_val, hashed once
+                            continue
+                    yield index, text
+                    break
         except UnicodeDecodeError as err:  # inside a compressed file: its bytes were not checked when listed
             raise not_utf8(file.path, err) from err
         digest, size = raw.finish()

@@ -5,21 +5,17 @@ one by one and mixed by weight (`tasks.data.mixture`). `tasks.dataset` decides w
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.data import token_store
-from tasks.data import tokens as token_cache
 from tasks.data.corpus import Corpus, CorpusSplit, DataError
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.mixture import concat_blocks, mix_blocks, mixture_seed
 from tasks.data.packed import FORMAT_VERSION
-from tasks.data.progress import Progress
-from tasks.data.tokens import PartSpec, pack_parts, part_key, tokenize_part
+from tasks.data.tokens import PartSpec, pack_parts, part_key, tokenize_missing
 from tasks.refs import TokenizerRef
 
 
@@ -96,22 +92,14 @@ def _pack_files(
     """A local files' split from the token cache (tokenizing the parts it lacks in `num_proc` threads)."""
     parts = parts_of(split)
     keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
-    root = token_store.tokens_dir()
-    done = [token_cache.cached_counts(key, root) for key in keys]
-    missing = [i for i, counts in enumerate(done) if counts is None]
-    if missing:  # what a mapped run left untokenized (or all of it, outside a flow), in `num_proc` threads
-        size = sum(parts[i].size for i in missing)
-        with ThreadPoolExecutor(max_workers=num_proc) as pool, Progress("tokenizing", size) as progress:
-            fresh = pool.map(lambda i: tokenize_part(parts[i], tokenizer, add_bos, dtype.name), missing)
-            for i, counts in zip(missing, fresh, strict=True):
-                done[i] = counts
-                progress.update(parts[i].size)
-    n_tokens = sum(c["tokens"] for c in done)  # type: ignore[index]
+    # All cached when `build_into` tokenized first; else (a test packing one split) tokenized here.
+    done = tokenize_missing(parts, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
+    n_tokens = sum(c["tokens"] for c in done)
     if n_tokens < seq_len + 1:
         raise too_few_tokens(split, n_tokens, seq_len, estimated=False)
     blocks, n_tokens, kept = pack_parts(
         keys,
-        [c["tokens"] for c in done],  # type: ignore[index]
+        [c["tokens"] for c in done],
         npy,
         seq_len=seq_len,
         keep_remainder=keep_remainder,
@@ -119,8 +107,8 @@ def _pack_files(
         dtype=dtype,
     )
     counts = {
-        "documents": sum(c["documents"] for c in done),  # type: ignore[index]
-        "bytes": sum(c["bytes"] for c in done),  # type: ignore[index]
+        "documents": sum(c["documents"] for c in done),
+        "bytes": sum(c["bytes"] for c in done),
     }
     return blocks, n_tokens, kept, counts
 
@@ -218,8 +206,15 @@ def build_into(
         "dtype": dtype,
         "num_proc": num_proc,
     }
+    files = [
+        part for split in (corpus.val, corpus.train) for leaf in split.leaves() if leaf.table is None
+        for part in parts_of(leaf)
+    ]  # fmt: skip
+    # Both sides of a file in one read: what a mapped run left untokenized (or all of it, outside a flow).
+    tokenize_missing(files, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
     mixture: dict[str, list[dict[str, Any]]] = {}
-    # Validation first: it is small, and a too-small val split should fail before the long train pass.
+    # Validation first: it is small, and a too-small val split fails before the long train packing (its
+    # tokens stay cached: a rerun with a smaller seq_len tokenizes nothing).
     for split, short in ((corpus.val, "val"), (corpus.train, "train")):
         pack = _pack_mixture if split.components else _pack_leaf
         packed = pack(staging, split, short, corpus, **options)

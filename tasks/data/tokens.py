@@ -6,11 +6,13 @@ into `<home>/cache/tokens/<key[:2]>/<key>.bin` (the raw token stream: each docum
 optionally preceded by BOS) with `<key>.json` beside it (counts; written last, so it marks a complete
 entry). The content is the digest of the bytes actually read: a file that changed after the corpus was
 listed fails its read (`tasks.data.documents`) before its entry is published. An entry's `.json`
-modification time is its last use (`tasks.data.token_store` shows and prunes by it). Packing a dataset concatenates the entries of its parts in corpus order: the same stream as
-tokenizing the whole split at once, so the dataset's content and fingerprint do not depend on what was
-cached.
+modification time is its last use (`tasks.data.token_store` shows and prunes by it). Packing a dataset
+concatenates the entries of its parts in corpus order: the same stream as tokenizing the whole split at once,
+so the dataset's content and fingerprint do not depend on what was cached.
 
-Parts still to tokenize are grouped into shards of about `SHARD_BYTES` (`plan_shards`); the pipeline maps
+A file's parts are tokenized together, in one read of the file (`tokenize_file`): a record file with
+documents on both sides of the split is parsed once, not once per side. Parts still to tokenize are grouped,
+a file's parts together, into shards of about `SHARD_BYTES` of file (`plan_shards`); the pipeline maps
 a Prefect task over them (`tasks.dataset.tokenize_shard_task`), so they run on whatever task runner the flow
 has: threads here, a Dask or Ray cluster with prefect-dask / prefect-ray (the workers must see the corpus
 files and LLAMAFLOW_HOME at the same paths: a shared file system).
@@ -19,19 +21,21 @@ files and LLAMAFLOW_HOME at the same paths: a shared file system).
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import atomic_file, write_text_atomic
-from tasks.data.documents import part_texts
+from tasks.data.documents import routed_texts
 from tasks.data.errors import blake
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, split_suffix
@@ -86,8 +90,13 @@ class TokenShard(BaseModel):
     dtype: str
 
     @property
+    def files(self) -> int:
+        return len(file_groups(self.parts))
+
+    @property
     def bytes(self) -> int:
-        return sum(p.size for p in self.parts)
+        """Of the files read (a file with parts on both sides of the split counts once)."""
+        return sum(group[0].size for group in file_groups(self.parts))
 
 
 def _tokenizer_identity(tokenizer: TokenizerRef) -> str:
@@ -148,55 +157,111 @@ def _tokenizer(path: str) -> Any:
     return loaded[path]
 
 
-def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
-    """Non-empty texts in batches of about `size` characters."""
-    batch: list[str] = []
-    chars = 0
-    for text in texts:
+def file_groups(parts: Sequence[PartSpec]) -> list[list[PartSpec]]:
+    """`parts` grouped by the file they read, in first-seen order (each part once): a file's parts (its
+    documents on either side of the split) are tokenized in one read of it."""
+    groups: dict[tuple[str, str, str], list[PartSpec]] = {}
+    for part in parts:
+        group = groups.setdefault((part.path, part.digest, part.text_field), [])
+        if part not in group:
+            group.append(part)
+    return list(groups.values())
+
+
+class _EntryWriter:
+    """One part's token stream on its way into a cache entry: texts batched by size, encoded, appended."""
+
+    def __init__(self, out: BinaryIO, encoder: Any, tokenizer: TokenizerRef, add_bos: bool, dtype: str):
+        self.out, self.encoder, self.tokenizer, self.add_bos = out, encoder, tokenizer, add_bos
+        self.typecode = _TYPECODES[dtype]
+        self.batch: list[str] = []
+        self.chars = 0
+        self.counts = {"tokens": 0, "documents": 0, "bytes": 0}
+
+    def add(self, text: str) -> None:
         if text:
-            batch.append(text)
-            chars += len(text)
-        if chars >= size:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
+            self.batch.append(text)
+            self.chars += len(text)
+            if self.chars >= ENCODE_BATCH_BYTES:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.batch:
+            return
+        ids = array.array(self.typecode)  # from a list in C: faster than numpy from Python ints
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        for encoding in self.encoder.encode_batch_fast(self.batch, add_special_tokens=False):
+            if self.add_bos:
+                ids.append(bos)
+            ids.fromlist(encoding.ids)
+            ids.append(eos)
+        self.out.write(ids.tobytes())
+        self.counts["tokens"] += len(ids)
+        self.counts["documents"] += len(self.batch)
+        self.counts["bytes"] += sum(len(text.encode("utf-8")) for text in self.batch)
+        self.batch, self.chars = [], 0
 
 
-def tokenize_part(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str) -> dict[str, int]:
-    """Tokenize one part into its cache entry (at once when it is there); returns its counts."""
-    key = part_key(part, tokenizer, add_bos, dtype)
-    if (counts := cached_counts(key)) is not None:
-        return counts
+def tokenize_file(
+    parts: Sequence[PartSpec], tokenizer: TokenizerRef, add_bos: bool, dtype: str
+) -> list[dict[str, int]]:
+    """Tokenize the parts of one file (a group of `file_groups`) into their cache entries, reading the file
+    once; returns each part's counts (a cached part's at once, without reading)."""
+    keys = [part_key(part, tokenizer, add_bos, dtype) for part in parts]
+    counts = [cached_counts(key) for key in keys]
+    todo = [i for i, c in enumerate(counts) if c is None]
+    if not todo:
+        return counts  # type: ignore[return-value]
+    first = parts[todo[0]]
     encoder = _tokenizer(tokenizer.path)
-    data, meta = entry_paths(key)
-    os.makedirs(os.path.dirname(data), exist_ok=True)
-    counts = {"tokens": 0, "documents": 0, "bytes": 0}
-    with atomic_file(data) as tmp, open(tmp, "wb") as out:
-        for batch in _batches(part_texts(part.file_part(), part.text_field), ENCODE_BATCH_BYTES):
-            ids = array.array(_TYPECODES[dtype])  # from a list in C: faster than numpy from Python ints
-            for encoding in encoder.encode_batch_fast(batch, add_special_tokens=False):
-                if add_bos:
-                    ids.append(tokenizer.bos_id)
-                ids.fromlist(encoding.ids)
-                ids.append(tokenizer.eos_id)
-            out.write(ids.tobytes())
-            counts["tokens"] += len(ids)
-            counts["documents"] += len(batch)
-            counts["bytes"] += sum(len(text.encode("utf-8")) for text in batch)
-    write_text_atomic(meta, json.dumps(counts))  # last: the entry is complete
-    return counts
+    with contextlib.ExitStack() as stack:  # on any error every staged entry is removed
+        writers = []
+        for i in todo:
+            tmp = stack.enter_context(atomic_file(entry_paths(keys[i])[0]))
+            out = stack.enter_context(open(tmp, "wb"))
+            writers.append(_EntryWriter(out, encoder, tokenizer, add_bos, dtype))
+        selects = [parts[i].select for i in todo]
+        for index, text in routed_texts(first.file_part().file, selects, first.text_field):
+            writers[index].add(text)
+        for writer in writers:
+            writer.flush()
+    for i, writer in zip(todo, writers, strict=True):
+        write_text_atomic(entry_paths(keys[i])[1], json.dumps(writer.counts))  # last: the entry is complete
+        counts[i] = writer.counts
+    return counts  # type: ignore[return-value]
+
+
+def tokenize_missing(
+    parts: Sequence[PartSpec], tokenizer: TokenizerRef, *, add_bos: bool, dtype: str, num_proc: int
+) -> list[dict[str, int]]:
+    """The counts of every part, tokenizing those not cached a file at a time in `num_proc` threads."""
+    root = tokens_dir()
+    keys = [part_key(part, tokenizer, add_bos, dtype) for part in parts]
+    found = {key: counts for key in keys if (counts := cached_counts(key, root)) is not None}
+    missing = file_groups([part for part, key in zip(parts, keys, strict=True) if key not in found])
+    if missing:
+        size = sum(group[0].size for group in missing)
+        with ThreadPoolExecutor(max_workers=num_proc) as pool, Progress("tokenizing", size) as progress:
+            for group, counts in zip(
+                missing,
+                pool.map(lambda group: tokenize_file(group, tokenizer, add_bos, dtype), missing),
+                strict=True,
+            ):
+                for part, part_counts in zip(group, counts, strict=True):
+                    found[part_key(part, tokenizer, add_bos, dtype)] = part_counts
+                progress.update(group[0].size)
+    return [found[key] for key in keys]
 
 
 def tokenize_shard(shard: TokenShard) -> dict[str, float]:
     """Tokenize every part of a shard that is not cached yet; returns what it did."""
     started = time.perf_counter()
     totals = {"parts": 0, "tokens": 0, "documents": 0, "bytes": 0}
-    for part in shard.parts:
-        counts = tokenize_part(part, shard.tokenizer, shard.add_bos, shard.dtype)
-        totals["parts"] += 1
-        for name in ("tokens", "documents", "bytes"):
-            totals[name] += counts[name]
+    for group in file_groups(shard.parts):
+        for counts in tokenize_file(group, shard.tokenizer, shard.add_bos, shard.dtype):
+            totals["parts"] += 1
+            for name in ("tokens", "documents", "bytes"):
+                totals[name] += counts[name]
     return {
         **totals,
         "seconds": round(time.perf_counter() - started, 3),
@@ -213,16 +278,20 @@ def plan_shards(
     dtype: str,
     shard_bytes: int = SHARD_BYTES,
 ) -> list[TokenShard]:
-    """The parts whose tokens are not cached, grouped in corpus order into shards of about `shard_bytes`."""
+    """The parts whose tokens are not cached, a file's parts together, grouped in corpus order into shards of
+    about `shard_bytes` of file."""
     shards: list[TokenShard] = []
     group: list[PartSpec] = []
     size = 0
     root = tokens_dir()
-    for part in parts:
-        if cached_counts(part_key(part, tokenizer, add_bos, dtype), root) is not None:
+    for parts_of_file in file_groups(parts):
+        missing = [
+            p for p in parts_of_file if cached_counts(part_key(p, tokenizer, add_bos, dtype), root) is None
+        ]
+        if not missing:
             continue
-        group.append(part)
-        size += part.size
+        group.extend(missing)
+        size += missing[0].size
         if size >= shard_bytes:
             shards.append(TokenShard(parts=tuple(group), tokenizer=tokenizer, add_bos=add_bos, dtype=dtype))
             group, size = [], 0
