@@ -18,6 +18,7 @@ from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from model import LlamaConfig
+from tasks.data.counts import ShardReport
 from tasks.data.errors import DataError, data_logger
 from tasks.data.progress import Progress
 from tasks.data.settings import DataSettings
@@ -93,7 +94,7 @@ def _dask_runner(data: DataSettings) -> Any:
     )
 
 
-def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[dict[str, float]]:
+def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[ShardReport]:
     """Map `tokenize_shard` over `shards` on the configured task runner; raises the first shard's error."""
     if not shards:
         return []
@@ -106,7 +107,7 @@ def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[dict[s
         return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
 
 
-def _await(futures: PrefectFutureList[dict[str, float]], shards: list[TokenShard]) -> list[dict[str, float]]:
+def _await(futures: PrefectFutureList[ShardReport], shards: list[TokenShard]) -> list[ShardReport]:
     """The shards' results, with the progress of their bytes (in map order: shards are similar in size)."""
     with Progress("tokenizing", sum(shard.bytes for shard in shards)) as progress:
         for future, shard in zip(futures, shards, strict=True):

@@ -18,6 +18,7 @@ from prefect.context import get_run_context
 
 from stdlib_corpus import MODULES, copy_modules
 from tasks.data import tokens
+from tasks.data.counts import ShardReport
 from tasks.data.settings import DataSettings
 from tasks.dataset import plan_tokenization
 from tasks.prepare_data import build_data, tokenize_shards
@@ -29,7 +30,7 @@ FILES = MODULES[:7]
 
 
 @flow
-def _build(data: DataSettings, tokenizer: TokenizerRef) -> tuple[DatasetRef, list[dict[str, float]], str]:
+def _build(data: DataSettings, tokenizer: TokenizerRef) -> tuple[DatasetRef, list[ShardReport], str]:
     shards = plan_tokenization(data, tokenizer, SEQ_LEN)
     ran = tokenize_shards(shards, data)
     return build_data(data, tokenizer, SEQ_LEN, seed=0), ran, str(get_run_context().flow_run.id)
@@ -78,10 +79,10 @@ def test_a_local_dask_cluster_of_two_processes_builds_what_the_threads_runner_bu
         assert len(lines) >= 2 and "(100%)" in lines[-1] and "B/s, ETA 00:00" in lines[-1], (runner, lines)
     (threads, by_threads, _), (dask, by_dask, dask_run) = built["threads"], built["dask"]
     assert len(by_dask) == len(by_threads) >= 2
-    assert {int(r["pid"]) for r in by_threads} == {os.getpid()}
+    assert {r.pid for r in by_threads} == {os.getpid()}
     # A thread per core at most, not one per shard (a check where there are more shards than cores: here).
-    assert len({r["thread"] for r in by_threads}) <= min(os.cpu_count() or 1, len(by_threads))
-    assert os.getpid() not in {int(r["pid"]) for r in by_dask}
+    assert len({r.thread for r in by_threads}) <= min(os.cpu_count() or 1, len(by_threads))
+    assert os.getpid() not in {r.pid for r in by_dask}
     assert _recorded_shard_runs(dask_run, len(by_dask)) == len(
         by_dask
     )  # the workers report to the flow's API

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from tasks.data.corpus import CorpusSplit
+from tasks.data.counts import TokenCounts
 from tasks.data.errors import blake
 from tasks.data.packed import write_split
 from tasks.refs import TokenizerRef
@@ -52,7 +53,7 @@ def token_chunks(
     dtype: np.dtype,
     num_proc: int,
     streaming: bool,
-    counts: dict[str, int],
+    counts: TokenCounts,
 ) -> Iterator[np.ndarray]:
     """Token arrays of a split, in corpus order; fills `counts` with documents and bytes."""
     from datasets import Features, List, Value
@@ -87,8 +88,8 @@ def token_chunks(
             **common,
         )
     for table in mapped.with_format("arrow").iter(batch_size=16):
-        counts["documents"] += sum(table.column("documents").to_pylist())
-        counts["bytes"] += sum(table.column("bytes").to_pylist())
+        counts.documents += sum(table.column("documents").to_pylist())
+        counts.bytes += sum(table.column("bytes").to_pylist())
         for piece in table.column("ids").chunks:
             flat = piece.flatten().to_numpy(zero_copy_only=False)
             if flat.size:

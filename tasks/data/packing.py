@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tasks.data.corpus import Corpus, CorpusSplit, DataError
+from tasks.data.counts import TokenCounts
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
 from tasks.data.mixture import concat_blocks, mix_blocks, mixture_seed
 from tasks.data.packed import FORMAT_VERSION
@@ -46,10 +47,10 @@ def _tokenize_split(
     add_bos: bool,
     dtype: np.dtype,
     num_proc: int,
-) -> tuple[int, int, int, dict[str, int]]:
-    """Write `<short>.npy`; returns (blocks, stream tokens, kept tokens, {"documents", "bytes"})."""
+) -> tuple[int, int, TokenCounts]:
+    """Write `<short>.npy`; returns (blocks, stream tokens kept, what the stream holds)."""
     if split.table is not None:
-        counts = {"documents": 0, "bytes": 0}
+        counts = TokenCounts()
         raw = staging / f"{short}.tokens.bin"
         chunks = token_chunks(
             split,
@@ -60,20 +61,20 @@ def _tokenize_split(
             streaming=corpus.settings.streaming,
             counts=counts,
         )
-        n_tokens = write_tokens(chunks, raw)
-        if n_tokens < seq_len + 1:
-            raise too_few_tokens(split, n_tokens, seq_len, estimated=False)
+        counts.tokens = write_tokens(chunks, raw)
+        if counts.tokens < seq_len + 1:
+            raise too_few_tokens(split, counts.tokens, seq_len, estimated=False)
         blocks, kept = pack_stream(
             raw,
             staging / f"{short}.npy",
-            n_tokens,
+            counts.tokens,
             seq_len=seq_len,
             keep_remainder=keep_remainder,
             pad_id=tokenizer.pad_id,
             dtype=dtype,
         )
         raw.unlink()
-        return blocks, n_tokens, kept, counts
+        return blocks, kept, counts
     return _pack_files(
         staging / f"{short}.npy", split, tokenizer, seq_len, keep_remainder, add_bos, dtype, num_proc
     )
@@ -88,29 +89,25 @@ def _pack_files(
     add_bos: bool,
     dtype: np.dtype,
     num_proc: int,
-) -> tuple[int, int, int, dict[str, int]]:
+) -> tuple[int, int, TokenCounts]:
     """A local files' split from the token cache (tokenizing the parts it lacks in `num_proc` threads)."""
     parts = parts_of(split)
     keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
     # All cached when `build_into` tokenized first; else (a test packing one split) tokenized here.
     done = tokenize_missing(parts, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
-    n_tokens = sum(c["tokens"] for c in done)
-    if n_tokens < seq_len + 1:
-        raise too_few_tokens(split, n_tokens, seq_len, estimated=False)
-    blocks, n_tokens, kept = pack_parts(
+    total = sum(done, TokenCounts())
+    if total.tokens < seq_len + 1:
+        raise too_few_tokens(split, total.tokens, seq_len, estimated=False)
+    blocks, _, kept = pack_parts(
         keys,
-        [c["tokens"] for c in done],
+        [c.tokens for c in done],
         npy,
         seq_len=seq_len,
         keep_remainder=keep_remainder,
         pad_id=tokenizer.pad_id,
         dtype=dtype,
     )
-    counts = {
-        "documents": sum(c["documents"] for c in done),
-        "bytes": sum(c["bytes"] for c in done),
-    }
-    return blocks, n_tokens, kept, counts
+    return blocks, kept, total
 
 
 @dataclass
@@ -127,9 +124,9 @@ class _Packed:
 
 
 def _pack_leaf(staging: Path, split: CorpusSplit, short: str, corpus: Corpus, **kwargs: Any) -> _Packed:
-    blocks, n_tokens, kept, counts = _tokenize_split(staging, split, short, corpus, **kwargs)
+    blocks, kept, counts = _tokenize_split(staging, split, short, corpus, **kwargs)
     # row[0] of a block is never a target
-    return _Packed(blocks, kept - blocks, n_tokens, n_tokens - kept, counts["documents"], counts["bytes"])
+    return _Packed(blocks, kept - blocks, counts.tokens, counts.tokens - kept, counts.documents, counts.bytes)
 
 
 def _count_targets(blocks: np.ndarray, pad_id: int) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import json
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import atomic_file, write_text_atomic
+from tasks.data.counts import ShardReport, TokenCounts
 from tasks.data.documents import routed_texts
 from tasks.data.errors import blake
 from tasks.data.files import FilePart, SourceFile
@@ -132,13 +132,13 @@ def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str)
     )
 
 
-def cached_counts(key: str, root: Path | None = None) -> dict[str, int] | None:
-    """The counts of a complete cache entry ({"tokens", "documents", "bytes"}), or None. `root`: the token
-    cache's directory (`tokens_dir()`, computed once by callers that look up many parts)."""
+def cached_counts(key: str, root: Path | None = None) -> TokenCounts | None:
+    """The counts of a complete cache entry, or None. `root`: the token cache's directory (`tokens_dir()`,
+    computed once by callers that look up many parts)."""
     _, meta = entry_paths(key, root)
     try:
         with open(meta) as handle:
-            counts = json.load(handle)
+            counts = TokenCounts.model_validate_json(handle.read())
         os.utime(meta)  # its last use: what `python -m flows.cache prune` goes by
     except (FileNotFoundError, ValueError):
         return None
@@ -176,7 +176,7 @@ class _EntryWriter:
         self.typecode = _TYPECODES[dtype]
         self.batch: list[str] = []
         self.chars = 0
-        self.counts = {"tokens": 0, "documents": 0, "bytes": 0}
+        self.counts = TokenCounts()
 
     def add(self, text: str) -> None:
         if text:
@@ -196,22 +196,22 @@ class _EntryWriter:
             ids.fromlist(encoding.ids)
             ids.append(eos)
         self.out.write(ids.tobytes())
-        self.counts["tokens"] += len(ids)
-        self.counts["documents"] += len(self.batch)
-        self.counts["bytes"] += sum(len(text.encode("utf-8")) for text in self.batch)
+        self.counts.tokens += len(ids)
+        self.counts.documents += len(self.batch)
+        self.counts.bytes += sum(len(text.encode("utf-8")) for text in self.batch)
         self.batch, self.chars = [], 0
 
 
 def tokenize_file(
     parts: Sequence[PartSpec], tokenizer: TokenizerRef, add_bos: bool, dtype: str
-) -> list[dict[str, int]]:
+) -> list[TokenCounts]:
     """Tokenize the parts of one file (a group of `file_groups`) into their cache entries, reading the file
     once; returns each part's counts (a cached part's at once, without reading)."""
     keys = [part_key(part, tokenizer, add_bos, dtype) for part in parts]
-    counts = [cached_counts(key) for key in keys]
-    todo = [i for i, c in enumerate(counts) if c is None]
+    found = {i: counts for i, key in enumerate(keys) if (counts := cached_counts(key)) is not None}
+    todo = [i for i in range(len(parts)) if i not in found]
     if not todo:
-        return counts  # type: ignore[return-value]
+        return [found[i] for i in range(len(parts))]
     first = parts[todo[0]]
     encoder = _tokenizer(tokenizer.path)
     with contextlib.ExitStack() as stack:  # on any error every staged entry is removed
@@ -226,14 +226,14 @@ def tokenize_file(
         for writer in writers:
             writer.flush()
     for i, writer in zip(todo, writers, strict=True):
-        write_text_atomic(entry_paths(keys[i])[1], json.dumps(writer.counts))  # last: the entry is complete
-        counts[i] = writer.counts
-    return counts  # type: ignore[return-value]
+        write_text_atomic(entry_paths(keys[i])[1], writer.counts.model_dump_json())  # last: complete
+        found[i] = writer.counts
+    return [found[i] for i in range(len(parts))]
 
 
 def tokenize_missing(
     parts: Sequence[PartSpec], tokenizer: TokenizerRef, *, add_bos: bool, dtype: str, num_proc: int
-) -> list[dict[str, int]]:
+) -> list[TokenCounts]:
     """The counts of every part, tokenizing those not cached a file at a time in `num_proc` threads."""
     root = tokens_dir()
     keys = [part_key(part, tokenizer, add_bos, dtype) for part in parts]
@@ -253,21 +253,20 @@ def tokenize_missing(
     return [found[key] for key in keys]
 
 
-def tokenize_shard(shard: TokenShard) -> dict[str, float]:
+def tokenize_shard(shard: TokenShard) -> ShardReport:
     """Tokenize every part of a shard that is not cached yet; returns what it did."""
     started = time.perf_counter()
-    totals = {"parts": 0, "tokens": 0, "documents": 0, "bytes": 0}
+    total = TokenCounts()
     for group in file_groups(shard.parts):
         for counts in tokenize_file(group, shard.tokenizer, shard.add_bos, shard.dtype):
-            totals["parts"] += 1
-            for name in ("tokens", "documents", "bytes"):
-                totals[name] += counts[name]
-    return {
-        **totals,
-        "seconds": round(time.perf_counter() - started, 3),
-        "pid": os.getpid(),
-        "thread": threading.get_ident(),
-    }
+            total += counts
+    return ShardReport(
+        parts=len(shard.parts),
+        counts=total,
+        seconds=round(time.perf_counter() - started, 3),
+        pid=os.getpid(),
+        thread=threading.get_ident(),
+    )
 
 
 def plan_shards(
