@@ -169,37 +169,58 @@ def file_groups(parts: Sequence[PartSpec]) -> list[list[PartSpec]]:
 
 
 class _EntryWriter:
-    """One part's token stream on its way into a cache entry: texts batched by size, encoded, appended."""
+    """One part's token stream on its way into a cache entry: each document's ids (BOS, EOS) appended, and
+    written to `out` after every batch."""
 
-    def __init__(self, out: BinaryIO, encoder: Any, tokenizer: TokenizerRef, add_bos: bool, dtype: str):
-        self.out, self.encoder, self.tokenizer, self.add_bos = out, encoder, tokenizer, add_bos
+    def __init__(self, tokenizer: TokenizerRef, add_bos: bool, dtype: str, out: BinaryIO) -> None:
+        self.bos = tokenizer.bos_id if add_bos else None
+        self.eos = tokenizer.eos_id
         self.typecode = _TYPECODES[dtype]
-        self.batch: list[str] = []
-        self.chars = 0
+        self.out = out
+        self.ids = array.array(self.typecode)  # from a list in C: faster than numpy from Python ints
         self.counts = TokenCounts()
 
-    def add(self, text: str) -> None:
+    def take(self, text: str, ids: list[int]) -> None:
+        before = len(self.ids)
+        if self.bos is not None:
+            self.ids.append(self.bos)
+        self.ids.fromlist(ids)
+        self.ids.append(self.eos)
+        self.counts.tokens += len(self.ids) - before
+        self.counts.documents += 1
+        self.counts.bytes += len(text.encode("utf-8"))
+
+    def spill(self) -> None:
+        self.out.write(self.ids.tobytes())
+        self.ids = array.array(self.typecode)
+
+
+class _Batch:
+    """Documents of any entries, encoded in one `encode_batch_fast` call once they hold
+    `ENCODE_BATCH_BYTES` of text (or at `flush`)."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.items: list[tuple[_EntryWriter, str]] = []
+        self.chars = 0
+
+    def add(self, writer: _EntryWriter, text: str) -> None:
         if text:
-            self.batch.append(text)
+            self.items.append((writer, text))
             self.chars += len(text)
             if self.chars >= ENCODE_BATCH_BYTES:
                 self.flush()
 
     def flush(self) -> None:
-        if not self.batch:
+        if not self.items:
             return
-        ids = array.array(self.typecode)  # from a list in C: faster than numpy from Python ints
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        for encoding in self.encoder.encode_batch_fast(self.batch, add_special_tokens=False):
-            if self.add_bos:
-                ids.append(bos)
-            ids.fromlist(encoding.ids)
-            ids.append(eos)
-        self.out.write(ids.tobytes())
-        self.counts.tokens += len(ids)
-        self.counts.documents += len(self.batch)
-        self.counts.bytes += sum(len(text.encode("utf-8")) for text in self.batch)
-        self.batch, self.chars = [], 0
+        texts = [text for _, text in self.items]
+        encodings = self.encoder.encode_batch_fast(texts, add_special_tokens=False)
+        for (writer, text), encoding in zip(self.items, encodings, strict=True):
+            writer.take(text, encoding.ids)
+        for writer in {id(w): w for w, _ in self.items}.values():  # each once
+            writer.spill()
+        self.items, self.chars = [], 0
 
 
 def tokenize_file(
@@ -212,19 +233,18 @@ def tokenize_file(
     todo = [i for i in range(len(parts)) if i not in found]
     if not todo:
         return [found[i] for i in range(len(parts))]
-    first = parts[todo[0]]
-    encoder = _tokenizer(tokenizer.path)
+    batch = _Batch(_tokenizer(tokenizer.path))
     with contextlib.ExitStack() as stack:  # on any error every staged entry is removed
         writers = []
         for i in todo:
             tmp = stack.enter_context(atomic_file(entry_paths(keys[i])[0]))
             out = stack.enter_context(open(tmp, "wb"))
-            writers.append(_EntryWriter(out, encoder, tokenizer, add_bos, dtype))
+            writers.append(_EntryWriter(tokenizer, add_bos, dtype, out))
+        first = parts[todo[0]]
         selects = [parts[i].select for i in todo]
         for index, text in routed_texts(first.file_part().file, selects, first.text_field):
-            writers[index].add(text)
-        for writer in writers:
-            writer.flush()
+            batch.add(writers[index], text)
+        batch.flush()
     for i, writer in zip(todo, writers, strict=True):
         write_text_atomic(entry_paths(keys[i])[1], writer.counts.model_dump_json())  # last: complete
         found[i] = writer.counts
@@ -242,11 +262,8 @@ def tokenize_missing(
     if missing:
         size = sum(group[0].size for group in missing)
         with ThreadPoolExecutor(max_workers=num_proc) as pool, Progress("tokenizing", size) as progress:
-            for group, counts in zip(
-                missing,
-                pool.map(lambda group: tokenize_file(group, tokenizer, add_bos, dtype), missing),
-                strict=True,
-            ):
+            done = pool.map(lambda group: tokenize_file(group, tokenizer, add_bos, dtype), missing)
+            for group, counts in zip(missing, done, strict=True):
                 for part, part_counts in zip(group, counts, strict=True):
                     found[part_key(part, tokenizer, add_bos, dtype)] = part_counts
                 progress.update(group[0].size)
@@ -258,8 +275,7 @@ def tokenize_shard(shard: TokenShard) -> ShardReport:
     started = time.perf_counter()
     total = TokenCounts()
     for group in file_groups(shard.parts):
-        for counts in tokenize_file(group, shard.tokenizer, shard.add_bos, shard.dtype):
-            total += counts
+        total = sum(tokenize_file(group, shard.tokenizer, shard.add_bos, shard.dtype), total)
     return ShardReport(
         parts=len(shard.parts),
         counts=total,
