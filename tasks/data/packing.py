@@ -203,10 +203,8 @@ def build_into(
         "dtype": dtype,
         "num_proc": num_proc,
     }
-    files = [
-        part for split in (corpus.val, corpus.train) for leaf in split.leaves() if leaf.table is None
-        for part in parts_of(leaf)
-    ]  # fmt: skip
+    leaves = [leaf for split in (corpus.val, corpus.train) for leaf in split.leaves() if leaf.table is None]
+    files = [part for leaf in leaves for part in parts_of(leaf)]
     # Both sides of a file in one read: what a mapped run left untokenized (or all of it, outside a flow).
     tokenize_missing(files, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
     mixture: dict[str, list[dict[str, Any]]] = {}
