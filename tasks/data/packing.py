@@ -47,8 +47,10 @@ def _tokenize_split(
     add_bos: bool,
     dtype: np.dtype,
     num_proc: int,
+    cached: dict[str, TokenCounts],
 ) -> tuple[int, int, TokenCounts]:
-    """Write `<short>.npy`; returns (blocks, stream tokens kept, what the stream holds)."""
+    """Write `<short>.npy`; returns (blocks, stream tokens kept, what the stream holds). `cached`: the token
+    cache's counts of every file part, by part key (`build_into` tokenized what was missing)."""
     if split.table is not None:
         counts = TokenCounts()
         raw = staging / f"{short}.tokens.bin"
@@ -76,7 +78,7 @@ def _tokenize_split(
         raw.unlink()
         return blocks, kept, counts
     return _pack_files(
-        staging / f"{short}.npy", split, tokenizer, seq_len, keep_remainder, add_bos, dtype, num_proc
+        staging / f"{short}.npy", split, tokenizer, seq_len, keep_remainder, add_bos, dtype, cached
     )
 
 
@@ -88,13 +90,11 @@ def _pack_files(
     keep_remainder: bool,
     add_bos: bool,
     dtype: np.dtype,
-    num_proc: int,
+    cached: dict[str, TokenCounts],
 ) -> tuple[int, int, TokenCounts]:
-    """A local files' split from the token cache (tokenizing the parts it lacks in `num_proc` threads)."""
-    parts = parts_of(split)
-    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts]
-    # All cached when `build_into` tokenized first; else (a test packing one split) tokenized here.
-    done = tokenize_missing(parts, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
+    """A local files' split from the token cache (every part of it tokenized already)."""
+    keys = [part_key(part, tokenizer, add_bos, dtype.name) for part in parts_of(split)]
+    done = [cached[key] for key in keys]
     total = sum(done, TokenCounts())
     if total.tokens < seq_len + 1:
         raise too_few_tokens(split, total.tokens, seq_len, estimated=False)
@@ -206,7 +206,9 @@ def build_into(
     leaves = [leaf for split in (corpus.val, corpus.train) for leaf in split.leaves() if leaf.table is None]
     files = [part for leaf in leaves for part in parts_of(leaf)]
     # Both sides of a file in one read: what a mapped run left untokenized (or all of it, outside a flow).
-    tokenize_missing(files, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc)
+    options["cached"] = tokenize_missing(
+        files, tokenizer, add_bos=add_bos, dtype=dtype.name, num_proc=num_proc
+    )
     mixture: dict[str, list[dict[str, Any]]] = {}
     # Validation first: it is small, and a too-small val split fails before the long train packing (its
     # tokens stay cached: a rerun with a smaller seq_len tokenizes nothing).

@@ -253,8 +253,9 @@ def tokenize_file(
 
 def tokenize_missing(
     parts: Sequence[PartSpec], tokenizer: TokenizerRef, *, add_bos: bool, dtype: str, num_proc: int
-) -> list[TokenCounts]:
-    """The counts of every part, tokenizing those not cached a file at a time in `num_proc` threads."""
+) -> dict[str, TokenCounts]:
+    """The counts of every part by its key (`part_key`), tokenizing those not cached a file at a time in
+    `num_proc` threads."""
     root = tokens_dir()
     keys = [part_key(part, tokenizer, add_bos, dtype) for part in parts]
     found = {key: counts for key in keys if (counts := cached_counts(key, root)) is not None}
@@ -267,7 +268,7 @@ def tokenize_missing(
                 for part, part_counts in zip(group, counts, strict=True):
                     found[part_key(part, tokenizer, add_bos, dtype)] = part_counts
                 progress.update(group[0].size)
-    return [found[key] for key in keys]
+    return found
 
 
 def tokenize_shard(shard: TokenShard) -> ShardReport:
