@@ -163,20 +163,73 @@ def test_fsdp_on_two_ranks_trains_as_one_process_and_resumes_at_any_world_size(
     assert_same_curves(chain, single.run_dir, range(3, 7))
 
 
-@pytest.mark.parametrize(("sync", "reductions_per_step"), [("every_micro_batch", 6), ("last_micro_batch", 1)])
+def test_hsdp_on_four_ranks_trains_as_one_process_and_resumes_through_the_same_checkpoints(
+    tmp_path: Path, dataset: DatasetRef, tiny: ModelRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HSDP on a 2 x 2 mesh (two replicas of a model sharded over two ranks, as two nodes of two GPUs):
+    the one-process curves within 1e-5, killed and resumed bit for bit from its own DCP checkpoints, whose
+    slices are written once (not once per replica) and resume a one-process run."""
+    hsdp = dict(micro_batch_size=1, accumulate_steps=3, hsdp_shard_size=2)  # 1 x 3 x 4 ranks = 12
+    single = fit(tiny, dataset, run_settings(1), tmp_path / "single", progress=False)
+    monkeypatch.setenv(ENV_VAR, "kill_at_step=5")
+    with pytest.raises(TrainingError, match="torchrun with 4 workers failed"):
+        fit(tiny, dataset, run_settings(4, "hsdp", **hsdp), tmp_path / "hsdp", progress=False)
+    monkeypatch.delenv(ENV_VAR)
+    done = fit(tiny, dataset, run_settings(4, "hsdp", **hsdp), tmp_path / "hsdp", progress=False)
+    assert done.step == 6 and done.tokens_seen == single.tokens_seen
+    assert_same_curves(done.run_dir, single.run_dir, range(1, 7))
+    first, again = records_of_step(done.run_dir, 5)
+    assert (first["train/loss"], first["train/grad_norm"]) == (again["train/loss"], again["train/grad_norm"])
+    step2 = Path(done.run_dir) / "step_000002"
+    assert checkpoint_problem(step2) is None and len(list((step2 / "optimizer").iterdir())) == 4
+    shards = step2 / "model_shards"
+    assert (
+        sum(f.stat().st_size for f in shards.glob("*.safetensors"))
+        < 1.2 * (Path(single.path) / "model.safetensors").stat().st_size
+    )  # each slice once: the replicas are not written twice
+    one = fit(tiny, dataset, run_settings(1), resume_copy(done.run_dir, tmp_path / "one", 2), progress=False)
+    assert_same_curves(one.run_dir, single.run_dir, range(3, 7))
+
+
+def test_hsdp_refuses_a_world_that_does_not_divide_into_shard_groups() -> None:
+    with pytest.raises(ValueError, match="set hsdp_shard_size to a divisor of 6"):
+        run_settings(3, "hsdp", nnodes=2, hsdp_shard_size=4)
+    with pytest.raises(ValueError, match="applies to data_parallel=hsdp only"):
+        run_settings(2, "fsdp", hsdp_shard_size=2)
+    with pytest.raises(ValueError, match="use data_parallel=fsdp with muon"):
+        run_settings(2, "hsdp", optimizer="muon")
+    assert run_settings(2, "hsdp", nnodes=3).hsdp_shard_size is None  # one node's ranks by default
+
+
+@pytest.mark.parametrize(
+    ("mode", "sync", "reductions_per_step", "all_reduces_per_step"),
+    [
+        ("fsdp", "every_micro_batch", 6, 0),
+        ("fsdp", "last_micro_batch", 1, 0),
+        # HSDP keeps the reduce-scattered shards until the all-reduce: the gradient is set once per step.
+        ("hsdp", "every_micro_batch", 1, 1),
+    ],
+)
 def test_fsdp_reduces_gradients_every_micro_batch_or_once_per_optimizer_step(
     tmp_path: Path,
     dataset: DatasetRef,
     tiny: ModelRef,
     monkeypatch: pytest.MonkeyPatch,
+    mode: str,
     sync: str,
     reductions_per_step: int,
+    all_reduces_per_step: int,
 ) -> None:
     """By default each micro-batch's gradients are reduce-scattered into the sharded ones (no unsharded
     gradient kept between micro-batches); with fsdp_gradient_sync=last_micro_batch, set_requires_gradient_sync
     (False) on every micro-batch but the last (FSDP2 has no no_sync) reduces them once per optimizer step (a
-    one-process gloo group: the engine applies FSDP2 whenever it runs in a process group, as under torchrun)."""
+    one-process gloo group: the engine applies FSDP2 whenever it runs in a process group, as under torchrun).
+    HSDP all-reduces each FSDP group's shards across the replicas once per optimizer step, not per micro-batch."""
+    import types
+
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -185,10 +238,22 @@ def test_fsdp_reduces_gradients_every_micro_batch_or_once_per_optimizer_step(
 
     reductions: dict[int, int] = {}  # per parameter, since the last optimizer step
     per_step: list[set[int]] = []
+    all_reduces = [0]  # FSDP2's all-reduces across replicas, since the last optimizer step
+    per_step_all_reduces: list[int] = []
+    groups = [0]
+
+    def counting_all_reduce(*args: object, **kwargs: object) -> object:
+        all_reduces[0] += 1
+        return dist.all_reduce(*args, **kwargs)
+
+    proxy = types.SimpleNamespace(**{n: getattr(dist, n) for n in dir(dist) if not n.startswith("__")})
+    proxy.all_reduce = counting_all_reduce
+    monkeypatch.setattr(_fsdp_collectives, "dist", proxy)
 
     def counting_build_optimizer(model: torch.nn.Module, *args: object) -> object:
         params = list(model.parameters())
         assert params and all(isinstance(p, DTensor) for p in params)  # the optimizer gets the shards
+        groups[0] = sum(isinstance(m, FSDPModule) for m in model.modules())
         for i, param in enumerate(params):
             param.register_post_accumulate_grad_hook(
                 lambda _, i=i: reductions.__setitem__(i, reductions.get(i, 0) + 1)
@@ -199,18 +264,23 @@ def test_fsdp_reduces_gradients_every_micro_batch_or_once_per_optimizer_step(
         if isinstance(optimizer, torch.optim.AdamW):
             per_step.append(set(reductions.values()))
             reductions.clear()
+            per_step_all_reduces.append(all_reduces[0])
+            all_reduces[0] = 0
 
     build_optimizer = engine.build_optimizer
     monkeypatch.setattr(engine, "build_optimizer", counting_build_optimizer)
     handle = register_optimizer_step_pre_hook(step_marker)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        run = run_settings(1, max_steps=2, checkpoint_every=0, fsdp_gradient_sync=sync)  # 6 micro-batches
+        run = run_settings(
+            1, mode, max_steps=2, checkpoint_every=0, fsdp_gradient_sync=sync
+        )  # 6 micro-batches
         run_process(tiny, dataset, run, tmp_path / "run", progress=False)
     finally:
         dist.destroy_process_group()
         handle.remove()
     assert per_step == [{reductions_per_step}, {reductions_per_step}]
+    assert groups[0] > 1 and per_step_all_reduces == [all_reduces_per_step * groups[0]] * 2
 
 
 def test_activation_checkpointing_recomputes_each_block_and_trains_exactly_as_without_it(

@@ -7,7 +7,7 @@ is never resumed from, so a `kill -9` of any rank at any moment leaves the old o
 
   model.safetensors   the original module's whole state dict, written by the main rank (one process, DDP):
                       what evaluation and registration read, and the weights a resume loads
-  model_shards/       instead, under FSDP2: every rank's slices of that state dict (DCP's safetensors
+  model_shards/       instead, under FSDP2 (fsdp, hsdp): every rank's slices of that state dict (DCP's safetensors
                       format; nothing is gathered), which a resume at any world size reads; model.safetensors
                       is consolidated from them where a whole model is needed (`checkpoint_weights`)
   optimizer/          the optimizer state, safetensors shards written by every rank (`optimizer_state`)
@@ -137,7 +137,7 @@ def write_checkpoint(
     A collective: every rank calls it (`trainer_state` is read on the main rank only)."""
     final = run_dir / checkpoint_name(step)
 
-    sharded = parallel.mode == "fsdp"
+    sharded = parallel.sharded
 
     def fill(tmp: Path) -> None:
         if sharded:  # every rank its slices of the weights: nothing is gathered

@@ -1,4 +1,4 @@
-"""How the ranks share the model: this module alone decides none | DDP | FSDP2, applies it, and hands the
+"""How the ranks share the model: this module alone decides none | DDP | FSDP2 | HSDP, applies it, and hands the
 loop a `Parallel` whose methods hide the difference (gradient sync, the reduction's divisor, clipping, the
 whole state dict). The loop never asks which.
 
@@ -12,6 +12,11 @@ whole state dict). The loop never asks which.
         optimizer step with `fsdp_gradient_sync: last_micro_batch`; the loop divides by the global token count: no AVG reduction, which gloo has been reported to get wrong
         under FSDP2, pytorch issue 162338). On CUDA with bf16, `MixedPrecisionPolicy` gathers bf16
         parameters and reduces in fp32.
+  hsdp  FSDP2 on a 2-D mesh (replicate x shard): each group of `hsdp_shard_size` ranks (one node by
+        default) shards the model as fsdp does, and the groups hold replicas. A block's all-gather and
+        reduce-scatter stay within the group (the node's links); the shards' gradients are all-reduced
+        across the groups (SUM) once per optimizer step (`set_requires_all_reduce` on the last micro-batch
+        only). Checkpoints are fsdp's: DCP writes each slice once (replicas deduplicated).
 
 Sequence: build (meta under fsdp) -> load the weights into the (sharded) plain module -> activation
 checkpointing per block -> DDP or fully_shard -> compile. The optimizer is built afterwards, from the
@@ -46,11 +51,13 @@ from torch.nn.parallel import DistributedDataParallel
 from model import LlamaConfig, LlamaForPretraining, load_pretrained
 from model.weights import WEIGHTS_FILE, check_fit, has_tied_head, stored_shapes
 from tasks.training.checkpoint_weights import SHARDS_DIR, whole_shapes
+from tasks.training.errors import TrainingInputError
 from tasks.training.loss import LossHead
 from tasks.training.precision import BF16_FSDP_PARAMS, precision_recipe
-from tasks.training.settings import TrainSettings
+from tasks.training.settings import TrainSettings, hsdp_shard_size
 
-Mode = Literal["none", "ddp", "fsdp"]
+Mode = Literal["none", "ddp", "fsdp", "hsdp"]
+SHARDED: tuple[Mode, ...] = ("fsdp", "hsdp")  # FSDP2 holds the parameters as DTensor shards
 
 
 def parallel_mode(settings: TrainSettings) -> Mode:
@@ -82,6 +89,11 @@ class Parallel:
     fsdp_sync_every_micro_batch: bool = True
 
     @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 DTensor shards (fsdp, hsdp)."""
+        return self.mode in SHARDED
+
+    @property
     def gradient_divisor(self) -> int:
         """What the gradient reduction divides the rank sum by: DDP averages, FSDP2 here sums."""
         return self.world_size if self.mode == "ddp" else 1
@@ -91,10 +103,13 @@ class Parallel:
         """Forward and backward of one micro-batch. DDP all-reduces after the last one of an optimizer step
         only (no_sync before). FSDP2 reduce-scatters every micro-batch's gradients and adds them to the
         sharded ones by default; with `fsdp_gradient_sync: last_micro_batch` it keeps the unsharded
-        gradients until the last (set_requires_gradient_sync)."""
-        if self.mode == "fsdp":
+        gradients until the last (set_requires_gradient_sync). HSDP all-reduces across the replicas on the
+        last micro-batch only: the reduce-scattered shards accumulate in between (set_requires_all_reduce)."""
+        if self.sharded:
             assert isinstance(self.plain, FSDPModule)
             self.plain.set_requires_gradient_sync(last or self.fsdp_sync_every_micro_batch)
+            if self.mode == "hsdp":
+                self.plain.set_requires_all_reduce(last)
         sync = self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()
         with sync:
             yield
@@ -111,7 +126,7 @@ class Parallel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original module's whole state dict, on the main rank (a collective under fsdp: every rank
         calls it; the others get {}). Gathered one tensor at a time into CPU memory."""
-        if self.mode != "fsdp":
+        if not self.sharded:
             return self.plain.state_dict()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.plain, options=options)
@@ -129,8 +144,10 @@ def parallelize(
     `parallel_mode` says, activation-checkpointed and compiled as `settings` say."""
     mode = parallel_mode(settings)
     world = dist.get_world_size() if mode != "none" else 1
-    if mode == "fsdp":
-        plain: nn.Module = _sharded_model(config, weights, settings, device, world)
+    if mode in SHARDED:
+        plain: nn.Module = _sharded_model(
+            config, weights, settings, device, _mesh_shape(settings, mode, world)
+        )
     else:
         plain = _plain_model(config, weights, device)
         if settings.activation_checkpointing == "full":
@@ -173,14 +190,29 @@ def _checkpoint_blocks(model: nn.Module) -> None:
                     module[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def _mesh_shape(settings: TrainSettings, mode: Mode, world: int) -> tuple[int, ...]:
+    """fsdp: one dimension of all ranks; hsdp: (replica groups, ranks per shard group)."""
+    if mode == "fsdp":
+        return (world,)
+    shard = hsdp_shard_size(settings)
+    if world % shard:  # settings check nnodes x nproc_per_node; this is torchrun's actual world
+        raise TrainingInputError(
+            f"data_parallel=hsdp: {world} ranks do not divide into shard groups of {shard}: set hsdp_shard_size "
+            f"to a divisor of {world}"
+        )
+    return (world // shard, shard)
+
+
 def _sharded_model(
-    config: LlamaConfig, weights: Path, settings: TrainSettings, device: torch.device, world: int
+    config: LlamaConfig, weights: Path, settings: TrainSettings, device: torch.device, shape: tuple[int, ...]
 ) -> nn.Module:
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     if settings.activation_checkpointing == "full":
         _checkpoint_blocks(model)
-    mesh = init_device_mesh(device.type, (world,))
+    # A 2-D mesh makes fully_shard replicate over dimension 0 and shard over dimension 1 (HSDP).
+    names = ("replicate", "shard")[-len(shape) :]
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if precision_recipe("fsdp", device.type, settings.dtype) == BF16_FSDP_PARAMS:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:

@@ -53,9 +53,9 @@ def autocast(device: torch.device, dtype: str) -> AbstractContextManager[object]
 
 
 def precision_recipe(mode: str, device_type: str, dtype: str) -> str:
-    """The numerical recipe of a run with parallel `mode` (none, ddp, fsdp) on `device_type` at the concrete
+    """The numerical recipe of a run with parallel `mode` (none, ddp, fsdp, hsdp) on `device_type` at the concrete
     `dtype`: FSDP2 on CUDA under bf16 gathers bf16 parameters (MixedPrecisionPolicy: half the all-gather
     traffic); everything else autocasts over fp32 weights. `parallelize` applies what this says."""
     if dtype != "bf16":
         return FP32
-    return BF16_FSDP_PARAMS if mode == "fsdp" and device_type == "cuda" else BF16_AUTOCAST
+    return BF16_FSDP_PARAMS if mode in ("fsdp", "hsdp") and device_type == "cuda" else BF16_AUTOCAST

@@ -115,11 +115,19 @@ class TrainSettings(BaseModel):
     nproc_per_node: InRunShape[int] = Field(
         1, ge=1, description="Data-parallel processes (torchrun) on this node"
     )
-    data_parallel: MayChange[Literal["ddp", "fsdp"]] = Field(
+    data_parallel: MayChange[Literal["ddp", "fsdp", "hsdp"]] = Field(
         "ddp",
         description="How data-parallel ranks share the model: ddp (each rank holds the whole model and "
-        "optimizer state) or fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder "
-        "block; checkpoints written by every rank). One process trains the plain module either way",
+        "optimizer state), fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder "
+        "block over all ranks; checkpoints written by every rank) or hsdp (FSDP2 on a 2-D mesh: sharded "
+        "within a group of hsdp_shard_size ranks, one node by default, replicated across the groups; "
+        "docs/scaling.md). One process trains the plain module either way",
+    )
+    hsdp_shard_size: MayChange[int | None] = Field(
+        None,
+        ge=1,
+        description="data_parallel=hsdp: ranks that shard the model among them (default nproc_per_node: one "
+        "node); the world size must be a multiple of it",
     )
     fsdp_gradient_sync: MayChange[Literal["every_micro_batch", "last_micro_batch"]] = Field(
         "every_micro_batch",
@@ -225,12 +233,39 @@ class TrainSettings(BaseModel):
                 raise ValueError(
                     f"rdzv_endpoint must be host:port (e.g. node0.cluster:29500), got {self.rdzv_endpoint!r}"
                 )
+        self._check_hsdp()
         if self.eval_every % self.log_every:
             raise ValueError(
                 f"eval_every={self.eval_every} must be a multiple of log_every={self.log_every}: the scores are "
                 "logged with the step's metrics"
             )
         return self
+
+    def _check_hsdp(self) -> None:
+        if self.hsdp_shard_size is not None and self.data_parallel != "hsdp":
+            raise ValueError(
+                f"hsdp_shard_size={self.hsdp_shard_size} applies to data_parallel=hsdp only (this run uses "
+                f"{self.data_parallel}): set data_parallel: hsdp, or remove hsdp_shard_size"
+            )
+        if self.data_parallel != "hsdp":
+            return
+        if self.optimizer == "muon":
+            raise ValueError(
+                "optimizer=muon does not run under data_parallel=hsdp yet (its sharded update gathers rows over a "
+                "1-D mesh): use data_parallel=fsdp with muon, or adamw with hsdp"
+            )
+        shard, world = hsdp_shard_size(self), self.nnodes * self.nproc_per_node
+        if world % shard:
+            raise ValueError(
+                f"data_parallel=hsdp shards over groups of {shard} ranks, which {world} ranks (nnodes "
+                f"{self.nnodes} x nproc_per_node {self.nproc_per_node}) do not divide into: set hsdp_shard_size "
+                f"to a divisor of {world} (nproc_per_node, one node, is the usual choice)"
+            )
+
+
+def hsdp_shard_size(settings: TrainSettings) -> int:
+    """The ranks of one HSDP shard group: `hsdp_shard_size`, by default one node's processes."""
+    return settings.hsdp_shard_size or settings.nproc_per_node
 
 
 def resume_rules(model: type[BaseModel] = TrainSettings) -> dict[str, OnResume]:
