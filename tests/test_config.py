@@ -56,6 +56,7 @@ NON_DEFAULT_FLAGS = {
     "nproc_per_node": ["--nproc-per-node", "2"],
     "data_parallel": ["--data-parallel", "fsdp"],
     "fsdp_gradient_sync": ["--fsdp-gradient-sync", "last_micro_batch"],
+    "hsdp_shard_size": ["--hsdp-shard-size", "2"],
     "activation_checkpointing": ["--activation-checkpointing", "full"],
     "nnodes": ["--nnodes", "2"],
     "max_restarts": ["--max-restarts", "3"],

@@ -194,8 +194,6 @@ def test_hsdp_on_four_ranks_trains_as_one_process_and_resumes_through_the_same_c
 def test_hsdp_refuses_a_world_that_does_not_divide_into_shard_groups() -> None:
     with pytest.raises(ValueError, match="set hsdp_shard_size to a divisor of 6"):
         run_settings(3, "hsdp", nnodes=2, hsdp_shard_size=4)
-    with pytest.raises(ValueError, match="applies to data_parallel=hsdp only"):
-        run_settings(2, "fsdp", hsdp_shard_size=2)
     with pytest.raises(ValueError, match="use data_parallel=fsdp with muon"):
         run_settings(2, "hsdp", optimizer="muon")
     assert run_settings(2, "hsdp", nnodes=3).hsdp_shard_size is None  # one node's ranks by default

@@ -127,6 +127,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "log_every": 2,
     "max_time_s": 3600.0,
     "data_parallel": "fsdp",
+    "hsdp_shard_size": 2,
     "activation_checkpointing": "full",
     "fsdp_gradient_sync": "last_micro_batch",
     "max_restarts": 2,

@@ -127,7 +127,7 @@ class TrainSettings(BaseModel):
         None,
         ge=1,
         description="data_parallel=hsdp: ranks that shard the model among them (default nproc_per_node: one "
-        "node); the world size must be a multiple of it",
+        "node); the world size must be a multiple of it. Other modes ignore it",
     )
     fsdp_gradient_sync: MayChange[Literal["every_micro_batch", "last_micro_batch"]] = Field(
         "every_micro_batch",
@@ -242,11 +242,6 @@ class TrainSettings(BaseModel):
         return self
 
     def _check_hsdp(self) -> None:
-        if self.hsdp_shard_size is not None and self.data_parallel != "hsdp":
-            raise ValueError(
-                f"hsdp_shard_size={self.hsdp_shard_size} applies to data_parallel=hsdp only (this run uses "
-                f"{self.data_parallel}): set data_parallel: hsdp, or remove hsdp_shard_size"
-            )
         if self.data_parallel != "hsdp":
             return
         if self.optimizer == "muon":
