@@ -6,6 +6,7 @@
     resolve_init_from("meta-llama/Llama-3.2-1B")             # hub id from the local HF cache (hf:ORG/NAME@REV)
     resolve_init_from("/ckpts/hf-llama")                     # a Hugging Face Llama directory
     resolve_init_from("/runs/x/step_001200")                 # a llamaflow checkpoint (or a .safetensors file)
+    resolve_init_from("s3://bucket/run/step_001200")         # one in an object store (tasks/training/storage.py)
 
 A run that starts from a parent is a NEW run: new optimizer, new schedule (warmup included), data from the
 start. Resuming (`checkpoint_dir` holding checkpoints) continues an interrupted run instead. `resolve_for_run`
@@ -33,6 +34,7 @@ from tasks.init_from.parent_cache import InitFromError
 from tasks.refs import ParentRef
 from tasks.tracking import store
 from tasks.training import checkpoint as ckpt
+from tasks.training.storage import fetch_checkpoint, is_remote
 
 __all__ = ["RECORD_FILE", "InitFromError", "resolve_for_run", "resolve_for_run_task", "resolve_init_from"]
 
@@ -48,6 +50,8 @@ def resolve_init_from(source: str, tracking_uri: str | None = None) -> ParentRef
         return resolve_logged_model(source, store.check_tracking_store(tracking_uri))
     if source.startswith("models:/"):
         return resolve_registry(source, store.check_tracking_store(tracking_uri))
+    if is_remote(source):  # s3://bucket/run/step_000123: the checkpoint fetched (and verified) first
+        return resolve_local(source, fetch_checkpoint(source))
     path = Path(source).expanduser()
     if path.exists():
         return resolve_hf(source, path) if is_hf_dir(path) else resolve_local(source, path)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -32,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from model import save_weights
@@ -42,6 +40,10 @@ from tasks.training.distributed import DistContext
 from tasks.training.optim import TrainOptimizer
 from tasks.training.optimizer_state import OPTIMIZER_DIR, save_optimizer_state
 from tasks.training.parallelize import Parallel
+from tasks.training.rng_state import capture_rng_state, rng_file
+from tasks.training.rng_state import load_rng_state as load_rng_state  # the resume's, through this module
+from tasks.training.rng_state import restore_rng_state as restore_rng_state
+from tasks.training.storage import remote_of
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -55,6 +57,12 @@ _ONE = DistContext()
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of checkpoint directory name `name` (step_000123), else None."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -71,52 +79,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank_{rank}.pt"
-
-
-def capture_rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's generators; on a GPU only its own device's (a host with other GPUs can restore it)."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Restore `capture_rng_state`'s generators; a CUDA state goes to `device` (skipped on a CPU)."""
-    torch.set_rng_state(state["torch"])
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def load_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
-    """Rank `rank`'s RNG state in checkpoint `path`, or None when the checkpoint was written by fewer ranks."""
-    file = path / rng_file(rank)
-    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None
 
 
 def write_checkpoint(
@@ -167,6 +129,9 @@ def write_checkpoint(
     dist.barrier()  # published
     _remember_valid(final)
     prune_checkpoints(run_dir, keep, final, dist)
+    remote = remote_of(run_dir) if dist.is_main else None
+    if remote is not None:  # checkpoint_dir on an object store: the mirror's new state goes up (storage.py)
+        remote.push(final, {step for step, _ in checkpoint_dirs(run_dir)})
     return final
 
 
@@ -175,7 +140,7 @@ def write_manifest(tmp: Path, step: int, dist: DistContext = _ONE) -> None:
     once every rank has written its files. A collective: the work list (files and chunks) is the main
     rank's, sent to all, and each rank hashes its share of it; ranks that list the directory differently
     (NFS clients) would otherwise hash shares of different lists, and the manifest could never validate."""
-    seen = dist.gather_object(_files(tmp))  # every rank sees at least the files it wrote itself
+    seen = dist.gather_object(checkpoint_files(tmp))  # every rank sees at least the files it wrote itself
     pieces = None
     if dist.is_main:
         names = sorted(set().union(*seen))  # type: ignore[arg-type, misc]
@@ -224,7 +189,7 @@ def _size_when_visible(path: Path, wait_s: float = 60.0) -> int:
             time.sleep(0.5)
 
 
-def _files(root: Path) -> list[str]:
+def checkpoint_files(root: Path) -> list[str]:
     """Every file under `root` but the manifest, as sorted relative paths."""
     return sorted(
         p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE

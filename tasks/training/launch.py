@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from model.atomic import write_text_atomic
 from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
-from tasks.training import rendezvous
+from tasks.training import rendezvous, storage
 from tasks.training.engine import run_process, validate_inputs
 from tasks.training.errors import TrainingError, TrainingInputError, TrainingInterrupted
 from tasks.training.faults import FaultInjector
@@ -65,7 +65,7 @@ def fit(
     `should_stop()` returned True, after a checkpoint) and RunDirectoryBusy (another job holds `run_dir` for
     longer than `stop_grace_s`; see tasks/training/run_lock.py).
     """
-    run_dir = Path(run_dir).resolve()
+    run_dir = storage.local_run_dir(run_dir)  # a store URL's node-local mirror (storage.py)
     # Cheap checks first: bad input fails before the run directory exists, not in N workers after start-up.
     check_launch(settings)
     validate_inputs(model_ref, dataset_ref, settings)
@@ -75,6 +75,7 @@ def fit(
         shared_by_job=settings.nnodes > 1,
         wait_s=settings.stop_grace_s,  # a stopping predecessor (a retry racing it) is done by then
     ) as lock:
+        storage.pull_newest(run_dir)
         if not rendezvous.uses_torchrun(settings):
             return run_process(
                 model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
