@@ -76,8 +76,8 @@ def manifest_on_ranks(directory: Path, out: Path) -> None:
             (directory / name).write_bytes(os.urandom(64))
     dist.barrier()
     if context.rank == 1:
-        listed = checkpoint._files
-        checkpoint._files = lambda root: [n for n in listed(root) if n != "config.json"]
+        listed = checkpoint.checkpoint_files
+        checkpoint.checkpoint_files = lambda root: [n for n in listed(root) if n != "config.json"]
     write_manifest(directory, 1, context)
     if context.is_main:
         out.write_text(json.dumps({"problem": checkpoint_problem(directory)}))

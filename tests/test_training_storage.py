@@ -180,5 +180,7 @@ def test_the_store_gives_only_published_steps_and_skips_a_damaged_one(
         assert pull_newest(local_run_dir(url)) == run_dir / "step_000002"
     assert not (run_dir / "step_000004").exists()
 
+    with pytest.raises(TrainingInputError, match="bucket 'no-such-bucket' not found or not readable"):
+        local_run_dir("s3://no-such-bucket/runs/x")
     with pytest.raises(TrainingInputError, match="carries credentials"):
         local_run_dir("s3://KEY:SECRET@llamaflow-test/runs/x")

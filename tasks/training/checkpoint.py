@@ -43,7 +43,6 @@ from tasks.training.parallelize import Parallel
 from tasks.training.rng_state import capture_rng_state, rng_file
 from tasks.training.rng_state import load_rng_state as load_rng_state  # the resume's, through this module
 from tasks.training.rng_state import restore_rng_state as restore_rng_state
-from tasks.training.storage import remote_of
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -129,9 +128,6 @@ def write_checkpoint(
     dist.barrier()  # published
     _remember_valid(final)
     prune_checkpoints(run_dir, keep, final, dist)
-    remote = remote_of(run_dir) if dist.is_main else None
-    if remote is not None:  # checkpoint_dir on an object store: the mirror's new state goes up (storage.py)
-        remote.push(final, {step for step, _ in checkpoint_dirs(run_dir)})
     return final
 
 

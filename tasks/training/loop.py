@@ -25,6 +25,7 @@ from tqdm import tqdm
 from model import LlamaConfig, flops_per_token
 from tasks.refs import CheckpointRef
 from tasks.training import checkpoint as ckpt
+from tasks.training import storage
 from tasks.training.control import CompileWatch, StopSignals
 from tasks.training.distributed import DistContext
 from tasks.training.errors import TrainingError, TrainingInterrupted
@@ -316,6 +317,8 @@ class TrainLoop:
             dist=self.dist,
             midway=lambda: self.faults.mid_checkpoint(self.step),
         )
+        if self.dist.is_main:  # checkpoint_dir on an object store: the mirror's new state goes up
+            storage.push_checkpoint(self.run_dir, self.last_checkpoint)
 
 
 def checkpoint_ref(path: Path, run_dir: Path, state: dict[str, Any]) -> CheckpointRef:

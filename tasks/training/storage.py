@@ -33,11 +33,19 @@ from typing import Any
 import fsspec
 
 from model.atomic import atomic_dir, write_text_atomic
+from tasks.training.checkpoint import (
+    MANIFEST_FILE,
+    checkpoint_dirs,
+    checkpoint_files,
+    checkpoint_name,
+    checkpoint_problem,
+    step_of,
+)
 from tasks.training.errors import TrainingInputError
 
 REMOTE_FILE = "remote_checkpoint_dir.json"  # in the mirror: the URL it mirrors
 RUN_FILES = ("metrics.jsonl", "mlflow_run.json", "init_from.json")  # the run's own files, pushed and pulled
-MANIFEST = "manifest.json"  # tasks.training.checkpoint.MANIFEST_FILE (which imports this module)
+MANIFEST = MANIFEST_FILE
 _LOCAL = ("file", "local")
 
 
@@ -73,10 +81,35 @@ def local_run_dir(location: str | Path) -> Path:
         return Path(location).resolve()
     url = str(location).rstrip("/")
     check_url(url)
+    _check_reachable(RemoteRun(url))
     local = mirror_dir(url)
     local.mkdir(parents=True, exist_ok=True)
     write_text_atomic(local / REMOTE_FILE, json.dumps({"url": url}))
     return local
+
+
+def _check_reachable(remote: RemoteRun) -> None:
+    """Fail before any training when the store's package is missing or its bucket cannot be read (the
+    first checkpoint upload would fail only after the first checkpoint_every steps)."""
+    try:
+        fs = remote.fs
+    except ImportError as err:
+        raise TrainingInputError(
+            f"checkpoint_dir={remote.url}: {err}. For S3: pip install 'llamaflow[s3]'"
+        ) from err
+    bucket = remote.root.split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except OSError as err:  # PermissionError among them
+        found, why = False, f" ({type(err).__name__}: {err})"
+    else:
+        why = ""
+    if not found:
+        raise TrainingInputError(
+            f"checkpoint_dir={remote.url}: bucket {bucket!r} not found or not readable{why}: create it, or check "
+            "the credentials and endpoint in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_ENDPOINT_URL)"
+        )
 
 
 def pull_newest(run_dir: Path) -> Path | None:
@@ -86,16 +119,18 @@ def pull_newest(run_dir: Path) -> Path | None:
     return None if remote is None else remote.pull(run_dir)
 
 
+def push_checkpoint(run_dir: Path, written: Path) -> None:
+    """For the mirror of a store: upload checkpoint `written` just published in `run_dir` (the main rank,
+    after the pruning) and remove from the store the steps the mirror no longer keeps."""
+    remote = remote_of(run_dir)
+    if remote is not None:
+        remote.push(written, {step for step, _ in checkpoint_dirs(run_dir)})
+
+
 def remote_of(run_dir: Path) -> RemoteRun | None:
     """The store that run directory `run_dir` mirrors, if any."""
     marker = Path(run_dir) / REMOTE_FILE
     return RemoteRun(json.loads(marker.read_text())["url"]) if marker.is_file() else None
-
-
-def _step(name: str) -> int | None:
-    from tasks.training.checkpoint import step_of
-
-    return step_of(name)
 
 
 @dataclass(frozen=True)
@@ -121,11 +156,11 @@ class RemoteRun:
             return {}
         found: dict[int, bool] = {}
         for entry in self.fs.ls(self.root, detail=False):
-            step = _step(entry.rstrip("/").rsplit("/", 1)[-1])
+            step = step_of(entry.rstrip("/").rsplit("/", 1)[-1])
             if step is not None:
                 found[step] = False
         for manifest in self.fs.glob(f"{self.root}/step_*/{MANIFEST}"):
-            step = _step(manifest.rsplit("/", 2)[-2])
+            step = step_of(manifest.rsplit("/", 2)[-2])
             if step is not None:
                 found[step] = True
         return found
@@ -133,9 +168,7 @@ class RemoteRun:
     def push(self, step_dir: Path, kept: set[int]) -> None:
         """Upload checkpoint `step_dir` (manifest last) and the run's files; delete the store's steps older
         than it that are not in `kept` (the mirror's), and unpublished leftovers of killed uploads."""
-        from tasks.training.checkpoint import checkpoint_files
-
-        step = _step(step_dir.name)
+        step = step_of(step_dir.name)
         assert step is not None, step_dir
         target = f"{self.root}/{step_dir.name}"
         before = self.steps()
@@ -152,8 +185,6 @@ class RemoteRun:
                 self._remove(old)
 
     def _remove(self, step: int) -> None:
-        from tasks.training.checkpoint import checkpoint_name
-
         path = f"{self.root}/{checkpoint_name(step)}"
         if self.fs.exists(f"{path}/{MANIFEST}"):
             self.fs.rm_file(f"{path}/{MANIFEST}")  # unpublished first: no reader takes it from here on
@@ -162,8 +193,6 @@ class RemoteRun:
     def pull(self, run_dir: Path) -> Path | None:
         """Download the store's newest published checkpoint that `run_dir` lacks; None when it holds none
         newer than the mirror's. A download that fails its checksums is dropped and the next older tried."""
-        from tasks.training.checkpoint import checkpoint_dirs, checkpoint_name, checkpoint_problem
-
         local = {step for step, path in checkpoint_dirs(run_dir) if checkpoint_problem(path) is None}
         for name in RUN_FILES:
             if not (run_dir / name).is_file() and self.fs.exists(f"{self.root}/{name}"):
@@ -203,7 +232,6 @@ def fetch_checkpoint(url: str) -> Path:
     `init_from` and consolidation read it. Cached by URL (a published step never changes but by a rewrite
     of the same step, which the manifest check catches)."""
     from tasks.home import cache_dir
-    from tasks.training.checkpoint import checkpoint_problem
 
     url = url.rstrip("/")
     check_url(url)
@@ -211,8 +239,6 @@ def fetch_checkpoint(url: str) -> Path:
     if not remote.fs.exists(f"{remote.root}/{MANIFEST}"):
         published = sorted(step for step, done in remote.steps().items() if done)
         if published:
-            from tasks.training.checkpoint import checkpoint_name
-
             newest = f"{url}/{checkpoint_name(published[-1])}"
             raise TrainingInputError(
                 f"{url} is a run's checkpoint_dir (newest checkpoint {newest}): give one of its checkpoints "
