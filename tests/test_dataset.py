@@ -19,6 +19,7 @@ from stdlib_corpus import MODULES as STDLIB_MODULES
 from stdlib_corpus import STDLIB, copy_modules
 from tasks.data.corpus import DataError, DataSettings, resolve_corpus
 from tasks.data.packed import token_dtype
+from tasks.data.split import MANIFEST_NAME
 from tasks.dataset import build_dataset, build_dataset_task, dataset_fingerprint
 from tasks.home import PROJECT_ROOT
 from tasks.refs import DatasetRef, TokenizerRef
@@ -99,9 +100,17 @@ def test_empty_files_inside_the_corpus_do_not_end_the_packing(home: Path, tmp_pa
     corpus_dir = _corpus(tmp_path / "corpus")
     for name in ("bisect_a.py", "fnmatch_b.py", "glob_c.py", "heapq_d.py", "shlex_e.py", "string_f.py"):
         (corpus_dir / name).write_text("")
+    (corpus_dir / "a_copy.py").write_bytes((corpus_dir / STDLIB_MODULES[0]).read_bytes())  # dropped
     tokenizer = train_tokenizer(str(corpus_dir), 384, val_fraction=0.2)
     ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
     corpus = resolve_corpus(str(corpus_dir), val_fraction=0.2)
+    assert (
+        ref.stats["duplicates_removed"]
+        == json.loads((Path(ref.path) / "meta.json").read_text())["stats"]["duplicates_removed"]
+        == 1
+    )
+    manifest = json.loads((Path(ref.path) / MANIFEST_NAME).read_text())["sources"][str(corpus_dir)]
+    assert set(manifest["validation"].values()) == {p.file.relpath for p in corpus.val.parts}
     for array, split in zip(_arrays(ref), (corpus.train, corpus.val), strict=True):
         stream = _stream([text for text in split.texts() if text], tokenizer)
         assert array.size == (len(stream) // (SEQ_LEN + 1)) * (SEQ_LEN + 1)

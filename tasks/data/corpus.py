@@ -308,6 +308,7 @@ def resolve_corpus(data: str | DataSettings | None = None, **overrides: Any) -> 
     """Find, read and fingerprint the corpus, and decide its split; tokenizes nothing. With `split_from`,
     the manifest's documents keep their sides, and a changed split rule is refused."""
     settings = as_settings(data, **overrides)
+    hook_digest(settings.doc_filter)  # an unimportable hook fails here, before the corpus is read
     parent = None
     if settings.split_from is not None:
         parent = load_manifest(settings.split_from)
