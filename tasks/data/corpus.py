@@ -16,7 +16,7 @@ recorded in the manifest. A table source holds out rows by their text, unless `h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -100,16 +100,21 @@ def _split_inside(file: SourceFile) -> bool:
     return file.kind in RECORD_SUFFIXES or (file.kind in SEGMENTED_SUFFIXES and file.size > MIN_BYTES)
 
 
-def _filters(settings: DataSettings, file: SourceFile) -> str:
-    inside = _split_inside(file)
-    return DocFilter(
-        dedup=inside and settings.dedup != "off",
-        min_chars=settings.min_chars,
-        max_chars=settings.max_chars,
-        hook=settings.doc_filter,
-        hook_digest=hook_digest(settings.doc_filter),
-        rule=INSIDE_RULE if inside else "",
-    ).key
+def _filters(settings: DataSettings, hook: str) -> Callable[[SourceFile], str]:
+    """Each file's `DocFilter.key` (`hook`: the hook's digest, read once per corpus)."""
+
+    def key(file: SourceFile) -> str:
+        inside = _split_inside(file)
+        return DocFilter(
+            dedup=inside and settings.dedup != "off",
+            min_chars=settings.min_chars,
+            max_chars=settings.max_chars,
+            hook=settings.doc_filter,
+            hook_digest=hook,
+            rule=INSIDE_RULE if inside else "",
+        ).key
+
+    return key
 
 
 def _split_files(
@@ -137,8 +142,9 @@ def _split_files(
     sides = {f.path: VAL for f in placed.validation} | {f.path: _TRAIN for f in placed.train}
     train: list[FilePart] = []
     val: list[FilePart] = []
+    filters_of = _filters(settings, hook_digest(settings.doc_filter))
     for file in files:  # in the order listed: the corpus order
-        filters = _filters(settings, file)
+        filters = filters_of(file)
         if _split_inside(file):
             train.append(FilePart(file, (_TRAIN, fraction), filters))
             val.append(FilePart(file, (VAL, fraction), filters))
@@ -280,6 +286,7 @@ def _with_val_data(source: str, settings: DataSettings) -> Corpus:
     splits: dict[str, CorpusSplit] = {}
     records: dict[str, SourceRecord] = {}
     dropped = 0
+    filters_of = _filters(settings, hook_digest(settings.doc_filter))
     for name, where in ((VAL, settings.val_data or ""), (_TRAIN, source)):
         if kind_of(where).list_files is None:
             splits[name] = _table_source(where, settings, name)
@@ -291,7 +298,7 @@ def _with_val_data(source: str, settings: DataSettings) -> Corpus:
                 dropped += 1
                 continue
             holder.setdefault(file.digest, name)
-            parts.append(FilePart(file, None, _filters(settings, file)))
+            parts.append(FilePart(file, None, filters_of(file)))
         entries = {p.file.digest: p.file.relpath for p in parts if p.file.size}
         records[where] = SourceRecord(validation=entries) if name == VAL else SourceRecord(train=entries)
         splits[name] = _files_split(name, where, parts, settings.text_field)

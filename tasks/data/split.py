@@ -19,8 +19,8 @@ a training copy of validation text is always dropped (even with `dedup=off`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,26 +54,17 @@ class SourceRecord(BaseModel):
     validation: dict[str, str] = Field(default_factory=dict)
     train: dict[str, str] = Field(default_factory=dict)
 
-    def side_of(self, file: SourceFile) -> str | None:
-        """The recorded side of `file`: by its content, then (a code file) by its path; None when new."""
-        if file.digest in self.validation:
-            return VAL
-        if file.digest in self.train:
-            return TRAIN
-        if file.kind not in SEGMENTED_SUFFIXES:
-            if file.relpath in _paths(tuple(self.validation.values())):
-                return VAL
-            if file.relpath in _paths(tuple(self.train.values())):
-                return TRAIN
-        return None
+    def sides(self) -> Callable[[SourceFile], str | None]:
+        """A file's recorded side: by its content, then (a code file) by its path; None when it is new."""
+        by_content = {**{d: TRAIN for d in self.train}, **{d: VAL for d in self.validation}}
+        by_path = {**{p: TRAIN for p in self.train.values()}, **{p: VAL for p in self.validation.values()}}
 
-    def knows(self, file: SourceFile) -> bool:
-        return self.side_of(file) is not None
+        def side_of(file: SourceFile) -> str | None:
+            if file.digest in by_content:
+                return by_content[file.digest]
+            return None if file.kind in SEGMENTED_SUFFIXES else by_path.get(file.relpath)
 
-
-@cache
-def _paths(values: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(values)
+        return side_of
 
 
 class SplitManifest(BaseModel):
@@ -153,9 +144,10 @@ def assign_whole(
     """Each whole file's side (recorded, else by the rule), exact copies dropped, and with `lend` (no other
     validation document in the source) the lowest-hashing document the parent never trained on lent to
     validation, recorded so it stays there."""
+    recorded = parent.sides() if parent is not None else (lambda _: None)
     sides = {}
     for file in files:
-        side = parent.side_of(file) if parent is not None else None
+        side = recorded(file)
         sides[file.path] = side or (VAL if is_val(file_identity(file), fraction) else TRAIN)
     result = WholeSplit()
     kept: dict[str, SourceFile] = {}
@@ -168,7 +160,7 @@ def assign_whole(
     dropped = {f.path for f in result.duplicates}
     chosen = [f for f in files if f.path not in dropped]
     if lend and not any(sides[f.path] == VAL for f in chosen):
-        new = [f for f in chosen if f.size and (parent is None or not parent.knows(f))]
+        new = [f for f in chosen if f.size and recorded(f) is None]
         if new:
             sides[min(new, key=lambda f: unit_hash(file_identity(f))).path] = VAL
     for file in chosen:
