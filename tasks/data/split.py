@@ -171,9 +171,9 @@ def assign_whole(
             )
     if parent is not None:
         listed = {f.digest for f in files}
-        recorded = {**result.record.validation, **result.record.train}
+        placed = {**result.record.validation, **result.record.train}
         gone = {
-            side: {d: p for d, p in getattr(parent, side).items() if d not in listed and d not in recorded}
+            side: {d: p for d, p in getattr(parent, side).items() if d not in listed and d not in placed}
             for side in ("validation", "train")
         }
         for side, entries in gone.items():
