@@ -33,7 +33,7 @@ from tasks.home import apply_embedded_defaults, runs_dir
 from tasks.init_from import resolve_for_run_task
 from tasks.init_from.optimizer import check_parent_optimizer_task
 from tasks.init_from.vocab import check_positions
-from tasks.prepare_data import build_data, keep_tokenizer, prepare_tokenizer
+from tasks.prepare_data import build_data, keep_tokenizer, parent_split, prepare_tokenizer
 from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
@@ -59,7 +59,8 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     parent = resolve_for_run_task(config.init_from, run_dir)
     tokenizer, model_config = tokenizer_for(config, parent)  # both checked before any data work
     optimizer_state = _parent_optimizer(config, parent, model_config, run_dir)
-    dataset = build_data(config.data_settings(), tokenizer, config.seq_len, seed=config.seed)
+    data = parent_split(config.data_settings(), parent, run_dir)  # once validation, always validation
+    dataset = build_data(data, tokenizer, config.seq_len, seed=config.seed)
     model = build_model_task(model_config, seed=config.seed, parent=parent)
     if optimizer_state is not None:
         model = model.model_copy(update={"optimizer_state": optimizer_state})
@@ -189,6 +190,7 @@ def _log_inputs(
 ) -> None:
     store.log_params(run_id, {**config.model_dump(), "model_config": model_config}, uri)
     store.log_datasets(run_id, dataset, uri)
+    store.log_split(run_id, dataset, uri)
     if parent is not None:
         lineage.log_parent(run_id, parent, uri)  # the parent's logged model as a run input
 

@@ -1,5 +1,8 @@
 """Packed token datasets: corpus + tokenizer → `train.npy` / `val.npy` blocks, cached by fingerprint.
 
+The directory also holds `split_manifest.json` (`tasks.data.split`): each whole-file document's side, which a
+run continued from this one's model carries forward (`split_from`).
+
 Layout (the contract with the trainer, `tasks/data/packed.py`): each split is a 2-D array `(n_blocks, seq_len + 1)` of the
 smallest unsigned dtype that holds the vocabulary; a row's inputs are `row[:-1]`, its targets
 `row[1:]`. Rows do not overlap, so the rows of a split concatenate back to its token stream. The
@@ -37,6 +40,7 @@ from tasks.data.corpus import Corpus, DataError, DataSettings, blake, corpus_of_
 from tasks.data.errors import data_logger
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
 from tasks.data.packing import parts_of, too_few_tokens
+from tasks.data.split import MANIFEST_NAME
 from tasks.data.tokens import TokenShard, plan_shards, tokenize_shard
 from tasks.refs import DatasetRef, TokenizerRef
 
@@ -147,12 +151,15 @@ def build_dataset(
             )
             meta["fingerprint"] = fingerprint
             meta["stats"]["seconds"] = round(time.perf_counter() - started, 3)
+            meta["stats"]["duplicates_removed"] = corpus.duplicates
             shutil.copyfile(tokenizer.path, staged.path / "tokenizer.json")
+            corpus.manifest.write(staged.path / MANIFEST_NAME)  # what a continued run's split carries
             write_meta(staged.path, meta)
     ref = load_dataset_ref(directory)
     data_logger().info(
         f"dataset {fingerprint}: {ref.stats['documents']} documents, {ref.stats['tokens']:,} tokens, "
         f"{ref.train_blocks} train + {ref.val_blocks} val blocks of {seq_len + 1}, {ref.stats['seconds']} s"
+        f" ({ref.stats.get('duplicates_removed', 0)} duplicate documents removed)"
     )
     return ref
 

@@ -22,6 +22,7 @@ from tasks.data.counts import ShardReport
 from tasks.data.errors import DataError, data_logger
 from tasks.data.progress import Progress
 from tasks.data.settings import DataSettings
+from tasks.data.split import MANIFEST_NAME
 from tasks.data.tokens import TokenShard
 from tasks.dataset import build_dataset_task, plan_tokenization_task, tokenize_shard_task
 from tasks.init_from import InitFromError
@@ -121,6 +122,38 @@ def build_data(data: DataSettings, tokenizer: TokenizerRef, seq_len: int, *, see
     shards = plan_tokenization_task(data, tokenizer, seq_len)
     tokenize_shards(shards, data)
     return build_dataset_task(data, tokenizer, seq_len, seed=seed)
+
+
+def parent_split(data: DataSettings, parent: ParentRef | None, run_dir: str) -> DataSettings:
+    """The data settings of a run continued from `parent`: the split manifest its run logged as
+    `split_from` (kept in the run directory, so a retry reads the same), unless `split_from` is given."""
+    if parent is None or data.split_from is not None:
+        return data
+    target = Path(run_dir) / f"parent_{MANIFEST_NAME}"
+    if not target.is_file() and (parent.run_id is None or not _download_manifest(parent.run_id, target)):
+        data_logger().warning(
+            f"init_from={parent.source!r} comes without a split manifest (no MLflow run of ours logged "
+            "one): this run's split is decided afresh, and its validation text may be text the parent "
+            "trained on. Give split_from=PATH to the parent's split_manifest.json to keep its split."
+        )
+        return data
+    return data.model_copy(update={"split_from": str(target)})
+
+
+def _download_manifest(run_id: str, target: Path) -> bool:
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            found = download_artifacts(run_id=run_id, artifact_path=MANIFEST_NAME, dst_path=scratch)
+        except (MlflowException, OSError):
+            return False
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(found, target)
+    return True
 
 
 def keep_tokenizer(run_dir: str, tokenizer: TokenizerRef) -> None:

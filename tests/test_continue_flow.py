@@ -32,6 +32,8 @@ from stdlib_corpus import copy_modules, stdlib_text
 from tasks import home
 from tasks.build import parent_config
 from tasks.data import tokens
+from tasks.data.errors import DataError
+from tasks.data.split import MANIFEST_NAME
 from tasks.dataset import plan_tokenization
 from tasks.export import export_registered
 from tasks.init_from import InitFromError, resolve_init_from
@@ -262,6 +264,10 @@ def test_a_continued_run_on_a_grown_corpus_never_scores_the_champion_on_its_trai
         (root / "new").mkdir()
         (root / "new" / "notes.txt").write_text("\n".join(stdlib_text(["sched.py", "queue.py"])))
         second = pretrain(PretrainConfig(**night, init_from="models:/nightly@champion"))
+        logged = {a.path for a in store.get_client().list_artifacts(first.run_id)}
+        with pytest.raises(DataError, match=r"val_fraction=0.5 \(the parent's: 0.3\)"):
+            pretrain(PretrainConfig(**{**night, "val_fraction": 0.5}, init_from="models:/nightly@champion"))
+    assert MANIFEST_NAME in logged  # what night 2 carried forward
     assert second.parent.version == first.registered.version
     assert second.registered.champion_version == first.registered.version  # scored on night 2's text
     trained = "".join(_documents(first.dataset, "train"))

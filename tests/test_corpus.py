@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stdlib_corpus import MODULES, copy_modules
+from tasks.data.chunking import MAX_BYTES, MIN_BYTES
 from tasks.data.corpus import STDLIB_EXCLUDED_DIRS, DataError, DataWarning, resolve_corpus
-from tasks.data.formats import SEGMENT_CHARS
 
 
 def _split_names(corpus) -> tuple[set[str], set[str]]:
@@ -92,10 +92,9 @@ def test_a_single_prose_file_splits_by_its_segments_and_a_single_small_one_is_a_
     path.write_text("".join(f"line {i} of the book, long enough to fill segments\n" for i in range(40_000)))
     corpus = resolve_corpus(str(path), val_fraction=0.1)
     train, val = list(corpus.train.texts()), list(corpus.val.texts())
-    assert all(len(t) >= SEGMENT_CHARS for t in train[:-1] + val[:-1]) and all(
-        t.endswith("\n") for t in train
-    )
     text = path.read_text()
+    assert all(MIN_BYTES <= len(t) <= MAX_BYTES for t in train + val if not text.endswith(t))
+    assert all(t[-1].isspace() for t in train + val)  # cut after whitespace
     assert all(t in text for t in train + val) and len("".join(train + val)) == len(text)
     assert 1 <= len(val) <= len(train) / 3
     (tmp_path / "small").mkdir()

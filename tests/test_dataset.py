@@ -17,8 +17,9 @@ from tokenizers import Tokenizer
 
 from stdlib_corpus import MODULES as STDLIB_MODULES
 from stdlib_corpus import STDLIB, copy_modules
-from tasks.data.corpus import DataError, resolve_corpus
+from tasks.data.corpus import DataError, DataSettings, resolve_corpus
 from tasks.data.packed import token_dtype
+from tasks.data.split import MANIFEST_NAME
 from tasks.dataset import build_dataset, build_dataset_task, dataset_fingerprint
 from tasks.home import PROJECT_ROOT
 from tasks.refs import DatasetRef, TokenizerRef
@@ -99,9 +100,17 @@ def test_empty_files_inside_the_corpus_do_not_end_the_packing(home: Path, tmp_pa
     corpus_dir = _corpus(tmp_path / "corpus")
     for name in ("bisect_a.py", "fnmatch_b.py", "glob_c.py", "heapq_d.py", "shlex_e.py", "string_f.py"):
         (corpus_dir / name).write_text("")
+    (corpus_dir / "a_copy.py").write_bytes((corpus_dir / STDLIB_MODULES[0]).read_bytes())  # dropped
     tokenizer = train_tokenizer(str(corpus_dir), 384, val_fraction=0.2)
     ref = build_dataset(str(corpus_dir), tokenizer, SEQ_LEN, val_fraction=0.2)
     corpus = resolve_corpus(str(corpus_dir), val_fraction=0.2)
+    assert (
+        ref.stats["duplicates_removed"]
+        == json.loads((Path(ref.path) / "meta.json").read_text())["stats"]["duplicates_removed"]
+        == 1
+    )
+    manifest = json.loads((Path(ref.path) / MANIFEST_NAME).read_text())["sources"][str(corpus_dir)]
+    assert set(manifest["validation"].values()) == {p.file.relpath for p in corpus.val.parts}
     for array, split in zip(_arrays(ref), (corpus.train, corpus.val), strict=True):
         stream = _stream([text for text in split.texts() if text], tokenizer)
         assert array.size == (len(stream) // (SEQ_LEN + 1)) * (SEQ_LEN + 1)
@@ -156,7 +165,8 @@ def test_streaming_and_process_count_give_identical_arrays(
 
     many = tmp_path / "many"
     for i in range(15):  # 150 documents: several map batches, so num_proc=2 really starts 2 processes
-        _corpus(many / f"copy{i}")
+        for path in copy_modules(many / f"copy{i}", STDLIB_MODULES):
+            path.write_text(f"{path.read_text()}\n# copy {i}\n")  # not copies: dedup would drop them
     results = []
     for i, options in enumerate(({"num_proc": 1}, {"num_proc": 2}, {"streaming": True})):
         monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / f"home{i}"))
@@ -178,7 +188,8 @@ def test_jsonl_records_pack_with_eos_between_documents(
     rows = [{"body": line} for line in lines * 8 if line]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ref = build_dataset(str(path), tokenizer, 16, text_field="body", val_fraction=0.3, keep_remainder=True)
+    kept = DataSettings(data=str(path), dedup="off")  # the rows repeat: all of them kept
+    ref = build_dataset(kept, tokenizer, 16, text_field="body", val_fraction=0.3, keep_remainder=True)
     assert ref.stats["documents"] == len(rows)
     train, val = _arrays(ref)
     real = int((train[:, 1:] != tokenizer.pad_id).sum() + (val[:, 1:] != tokenizer.pad_id).sum())

@@ -4,31 +4,36 @@
 hashes the files (cheap: ~0.1 s for the 11 MB standard library) but tokenizes nothing, so every bad-input
 error is raised before the expensive work starts. Sources: `tasks.data.sources` (one module per kind).
 
-Split: with `val_data` the validation split is that source. Otherwise a document is validation when the hash
-of its identity is below `val_fraction` (`tasks.data.documents`), whatever else the corpus holds: a new file,
-a new subdirectory or a second file never moves a document that was there before. Code files are documents
-whole (identity: the path under the source's root); prose files are cut into line-aligned segments and
-record files into records, so their parts of a split are the documents of each file on that side. When no
-whole file hashes into validation (a small corpus), the lowest-hashing one is lent to it: it can only move
-back to training when the corpus grows, never the other way. A table source holds out rows by their text,
-unless `hf_val_split` names a split.
+Split: with `val_data` the validation split is that source. Otherwise each document is placed once and
+keeps its side: a whole file (code; prose up to `chunking.MIN_BYTES`) by the split manifest a continued run
+carries (`split_from`, `tasks.data.split`), else by the hash of its identity (a code file's path under the
+source's root, a prose file's content) below `val_fraction`; a document inside a file (a prose segment cut
+where its content says, a record) by the hash of its text. A new file, a new subdirectory, an edit, a rename
+or a deletion never moves a document that was there before. Exact copies are dropped (validation's copy
+kept), and with no whole file on the validation side of a small corpus one never trained on is lent to it,
+recorded in the manifest. A table source holds out rows by their text, unless `hf_val_split` names a split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from tasks.data.documents import VAL, generate_documents, is_val, part_texts
-from tasks.data.errors import DataError, DataWarning, blake, unit_hash
+from tasks.data.chunking import MIN_BYTES
+from tasks.data.corpus_split import CorpusSplit
+from tasks.data.documents import VAL
+from tasks.data.errors import DataError, DataWarning, blake
 from tasks.data.files import FilePart, SourceFile, read_source_files
-from tasks.data.formats import RECORD_SUFFIXES, SEGMENT_CHARS, SEGMENTED_SUFFIXES
+from tasks.data.filters import DocFilter, hook_digest
+from tasks.data.formats import RECORD_SUFFIXES, SEGMENTED_SUFFIXES
+from tasks.data.near_dedup import drop_near_copies
 from tasks.data.settings import DataSettings, as_settings
 from tasks.data.sources import kind_of
 from tasks.data.sources.base import TableRef
 from tasks.data.sources.stdlib import EXCLUDED_DIRS as STDLIB_EXCLUDED_DIRS
-from tasks.data.tables import table_dataset, table_fingerprint
+from tasks.data.split import SourceRecord, SplitManifest, SplitRule, assign_whole, check_rule, load_manifest
+from tasks.data.tables import table_fingerprint
 
 __all__ = [
     "STDLIB_EXCLUDED_DIRS",
@@ -42,104 +47,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = "corpus-v1"
-SPLIT_RULE = "by-document-identity-v2"  # in the fingerprints of parts split inside a file, and of tables
+SPLIT_RULE = "by-document-identity-v2"  # in the fingerprints of table splits
+INSIDE_RULE = "by-text-hash-v3"  # of parts split inside a file: prose segments cut by content (chunking)
 _TRAIN = "train"
-
-
-# -------------------------------------------------------------------------------------------- splits
-
-
-@dataclass(frozen=True)
-class CorpusSplit:
-    """One split of a corpus: a fingerprint plus a way to get its documents."""
-
-    name: Literal["train", "validation"]
-    fingerprint: str
-    description: str
-    parts: tuple[FilePart, ...] = ()
-    text_field: str = "text"
-    table: TableRef | None = None
-    table_select: tuple[str, float] | None = None
-    bytes: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    # A mixture's split: each source's split of this side and its weight (normalized to sum to 1).
-    components: tuple[tuple[str, float, CorpusSplit], ...] = ()
-
-    def leaves(self) -> tuple[CorpusSplit, ...]:
-        """The splits that hold documents: this one, or each source's of a mixture."""
-        return tuple(split for _, _, split in self.components) or (self,)
-
-    def texts(self) -> Iterator[str]:
-        """Documents one by one, without holding the corpus in memory."""
-        if self.components:
-            for leaf in self.leaves():
-                yield from leaf.texts()
-            return
-        if self.table is not None:
-            for row in table_dataset(self.table, self.table_select):
-                if row["text"]:
-                    yield row["text"]
-            return
-        for part in self.parts:
-            yield from part_texts(part, self.text_field)
-
-    def sample(self, limit: int | None) -> tuple[Iterator[str], str]:
-        """About `limit` bytes of this split's documents, chosen by their identity (deterministic, spread over
-        the whole split), and what the choice adds to a fingerprint ("" when the split is taken whole).
-        A mixture's sample takes from each source its weight's share of `limit`."""
-        if self.components:
-            return self._mixture_sample(limit)
-        size = None if self.table is not None else sum(p.file.size for p in self.parts)
-        if limit is None or (size is not None and size <= limit):
-            return self.texts(), ""
-        rate = 1.0 if not size else min(1.0, limit / size)  # a table's size is unknown: its first documents
-        return self._sampled(rate, limit), f"sample={limit}"
-
-    def _mixture_sample(self, limit: int | None) -> tuple[Iterator[str], str]:
-        picks = [
-            split.sample(None if limit is None else max(1, int(limit * w))) for _, w, split in self.components
-        ]
-
-        def texts() -> Iterator[str]:
-            for iterator, _ in picks:
-                yield from iterator
-
-        added = [sample for _, sample in picks]
-        return texts(), (f"mixture-sample={added}" if any(added) else "")
-
-    def _sampled(self, rate: float, limit: int) -> Iterator[str]:
-        left = limit
-        for text in self._sample_candidates(rate):
-            yield text
-            left -= len(text.encode("utf-8"))
-            if left <= 0:
-                return
-
-    def _sample_candidates(self, rate: float) -> Iterator[str]:
-        if self.table is not None:
-            yield from self.texts()
-            return
-        for part in self.parts:
-            if part.select is not None:
-                yield from (t for t in part_texts(part, self.text_field) if unit_hash(f"sample:{t}") < rate)
-            elif (
-                unit_hash(f"sample:{part.file.relpath}") < rate
-            ):  # a whole file out of the sample is not read
-                yield from part_texts(part, self.text_field)
-
-    def dataset(self, *, streaming: bool = False):  # -> datasets.Dataset | datasets.IterableDataset
-        """A `datasets` object with one column `text`, one row per document."""
-        if self.table is not None:
-            return table_dataset(self.table, self.table_select, streaming=streaming)
-        from datasets import Dataset, Features, IterableDataset, Value
-
-        kwargs = {"parts": list(self.parts), "text_field": self.text_field}
-        features = Features({"text": Value("string")})
-        if streaming:
-            return IterableDataset.from_generator(generate_documents, features=features, gen_kwargs=kwargs)
-        return Dataset.from_generator(
-            generate_documents, features=features, gen_kwargs=kwargs, fingerprint=f"{self.fingerprint}-docs"
-        )
 
 
 @dataclass(frozen=True)
@@ -147,64 +57,113 @@ class Corpus:
     settings: DataSettings
     train: CorpusSplit
     val: CorpusSplit
+    records: dict[str, SourceRecord] = field(default_factory=dict)  # each source's whole files, by side
+    carried: tuple[str, ...] = ()  # digests of the parent manifest's entries for files no longer listed
+    duplicates: int = 0  # documents dropped as (near) copies when the corpus was listed
 
     @property
     def fingerprint(self) -> str:
-        return blake(FORMAT_VERSION, self.train.fingerprint, self.val.fingerprint)
+        return blake(FORMAT_VERSION, self.train.fingerprint, self.val.fingerprint, *self.carried)
+
+    @property
+    def manifest(self) -> SplitManifest:
+        return SplitManifest(rule=split_rule(self.settings), sources=self.records)
+
+
+def split_rule(settings: DataSettings) -> SplitRule:
+    items = settings.sources()
+    return SplitRule(
+        sources=tuple(item.source for item in items) if items else (settings.data or "stdlib",),  # type: ignore[misc]
+        val_data=settings.val_data,
+        val_fraction=settings.val_fraction,
+        hf_val_split=settings.hf_val_split,
+    )
 
 
 def _parts_fingerprint(parts: list[FilePart], text_field: str) -> str:
     """Of the files' bytes and paths; a part split inside its file adds the rule and the fraction (a whole
-    file's fingerprint is what it was before the split rule had a name: the stdlib corpus keeps its own)."""
+    file's fingerprint is what it was before the split rule had a name: the stdlib corpus keeps its own),
+    and a part with filters those."""
     needs_field = any(p.file.kind in RECORD_SUFFIXES for p in parts)
     items = [FORMAT_VERSION, text_field if needs_field else ""]
     for part in sorted(parts, key=lambda p: p.file.relpath):
         items += [part.file.relpath, part.file.digest]
         if part.select is not None:
-            items += [SPLIT_RULE, *map(repr, part.select)]
+            items += [INSIDE_RULE, *map(repr, part.select)]
+        if part.filters:
+            items.append(part.filters)
     return blake(*items)
 
 
 def _split_inside(file: SourceFile) -> bool:
-    """Whether a file's documents are not the file itself: records, or a prose file longer than a segment."""
-    return file.kind in RECORD_SUFFIXES or (file.kind in SEGMENTED_SUFFIXES and file.size > SEGMENT_CHARS)
+    """Whether a file's documents are not the file itself: records, or a prose file that may be cut."""
+    return file.kind in RECORD_SUFFIXES or (file.kind in SEGMENTED_SUFFIXES and file.size > MIN_BYTES)
+
+
+def _filters(settings: DataSettings, hook: str) -> Callable[[SourceFile], str]:
+    """Each file's `DocFilter.key` (`hook`: the hook's digest, read once per corpus)."""
+
+    def key(file: SourceFile) -> str:
+        inside = _split_inside(file)
+        return DocFilter(
+            dedup=inside and settings.dedup != "off",
+            min_chars=settings.min_chars,
+            max_chars=settings.max_chars,
+            hook=settings.doc_filter,
+            hook_digest=hook,
+            rule=INSIDE_RULE if inside else "",
+        ).key
+
+    return key
 
 
 def _split_files(
-    source: str, files: list[SourceFile], settings: DataSettings
-) -> tuple[CorpusSplit, CorpusSplit]:
+    source: str, files: list[SourceFile], settings: DataSettings, parent: SourceRecord | None
+) -> Corpus:
     fraction = settings.val_fraction
     inside = [f for f in files if _split_inside(f)]
     whole = [f for f in files if not _split_inside(f)]
-    val_whole = [f for f in whole if is_val(f.relpath, fraction)]
-    if not val_whole and not inside:
-        val_whole = sorted(whole, key=lambda f: unit_hash(f.relpath))[:1]  # lent to validation: see above
-    held_out = {f.relpath for f in val_whole}
-    if len(held_out) == len(whole) and not inside:
+    placed = assign_whole(whole, fraction, parent, dedup=settings.dedup != "off", lend=not inside)
+    if settings.dedup == "minhash":
+        placed = drop_near_copies(placed, settings.near_dup_threshold)
+    if not placed.validation and not inside and whole:
+        raise DataError(
+            f"{source!r} has no validation document left: the files its parent run validated on are gone, "
+            "and every file here was trained on by it. Add files (a new one is lent to validation), or train "
+            "from scratch (no init_from) for a new split."
+        )
+    if not placed.train and not inside:
         raise DataError(
             f"{source!r} holds {len(whole)} document(s), all on the validation side at val_fraction={fraction}, "
             "and a document's side never depends on the rest of the corpus: give val_data=, more files, or a "
-            f"smaller val_fraction (a .txt/.md file over {SEGMENT_CHARS} characters splits by its segments, "
+            f"smaller val_fraction (a .txt/.md file over {MIN_BYTES} bytes splits by its segments, "
             "a .jsonl/.parquet by its records)."
         )
+    sides = {f.path: VAL for f in placed.validation} | {f.path: _TRAIN for f in placed.train}
     train: list[FilePart] = []
     val: list[FilePart] = []
+    filters_of = _filters(settings, hook_digest(settings.doc_filter))
     for file in files:  # in the order listed: the corpus order
+        filters = filters_of(file)
         if _split_inside(file):
-            train.append(FilePart(file, (_TRAIN, fraction)))
-            val.append(FilePart(file, (VAL, fraction)))
-        else:
-            (val if file.relpath in held_out else train).append(FilePart(file))
-    return (
+            train.append(FilePart(file, (_TRAIN, fraction), filters))
+            val.append(FilePart(file, (VAL, fraction), filters))
+        elif file.path in sides:
+            (val if sides[file.path] == VAL else train).append(FilePart(file, None, filters))
+    return Corpus(
+        settings,
         _files_split(_TRAIN, source, train, settings.text_field),
         _files_split(VAL, source, val, settings.text_field),
+        {source: placed.record},
+        (placed.carried,) if placed.carried else (),
+        len(placed.duplicates),
     )
 
 
 def _files_split(
     name: Literal["train", "validation"], source: str, parts: list[FilePart], text_field: str
 ) -> CorpusSplit:
-    exact = all(p.select is None and p.file.kind not in RECORD_SUFFIXES for p in parts)
+    exact = all(p.select is None and p.file.kind not in RECORD_SUFFIXES and not p.filters for p in parts)
     inside = sum(p.select is not None for p in parts)
     return CorpusSplit(
         name,
@@ -263,13 +222,17 @@ def _tagged(split: CorpusSplit, source: str) -> CorpusSplit:
     return replace(split, extra={**split.extra, "mixture_source": source})
 
 
-def _mixture(settings: DataSettings) -> Corpus:
+def _mixture(settings: DataSettings, parent: SplitManifest | None) -> Corpus:
     """Each source resolved (and split by its own documents' identities) alone; the mixture's splits hold
     them with their normalized weights, and its fingerprints cover every source's and every weight."""
     items = settings.sources() or ()
     total = sum(item.weight for item in items)
     corpora = [
-        (item.source, item.weight / total, resolve_corpus(settings.model_copy(update={"data": item.source})))
+        (
+            item.source,
+            item.weight / total,
+            _resolve(settings.model_copy(update={"data": item.source}), parent),
+        )
         for item in items
     ]
     splits = []
@@ -293,19 +256,53 @@ def _mixture(settings: DataSettings) -> Corpus:
                 components=components,
             )
         )
-    return Corpus(settings, *splits)
+    return Corpus(
+        settings,
+        *splits,
+        {source: record for _, _, corpus in corpora for source, record in corpus.records.items()},
+        tuple(carried for _, _, corpus in corpora for carried in corpus.carried),
+        sum(corpus.duplicates for _, _, corpus in corpora),
+    )
 
 
 # ---------------------------------------------------------------------------------------- resolving
 
 
-def _whole_source(source: str, settings: DataSettings, name: Literal["train", "validation"]) -> CorpusSplit:
+def _listed(source: str, settings: DataSettings) -> list[SourceFile]:
     kind = kind_of(source)
-    if kind.list_files is None:
-        table = _table(source, settings, settings.hf_split)
-        return CorpusSplit(name, blake(FORMAT_VERSION, table_fingerprint(table)), source, table=table)
-    files = read_source_files(source, *kind.list_files(source), settings.text_field)
-    return _files_split(name, source, [FilePart(f) for f in files], settings.text_field)
+    return read_source_files(source, *kind.list_files(source), settings.text_field)  # type: ignore[misc]
+
+
+def _table_source(source: str, settings: DataSettings, name: Literal["train", "validation"]) -> CorpusSplit:
+    table = _table(source, settings, settings.hf_split)
+    return CorpusSplit(name, blake(FORMAT_VERSION, table_fingerprint(table)), source, table=table)
+
+
+def _with_val_data(source: str, settings: DataSettings) -> Corpus:
+    """`val_data` is the validation split; training drops copies of its files (and of its own, unless
+    dedup=off)."""
+    dedup = settings.dedup != "off"
+    holder: dict[str, str] = {}  # content digest -> the side that holds it
+    splits: dict[str, CorpusSplit] = {}
+    records: dict[str, SourceRecord] = {}
+    dropped = 0
+    filters_of = _filters(settings, hook_digest(settings.doc_filter))
+    for name, where in ((VAL, settings.val_data or ""), (_TRAIN, source)):
+        if kind_of(where).list_files is None:
+            splits[name] = _table_source(where, settings, name)
+            continue
+        parts = []
+        for file in _listed(where, settings):
+            held = holder.get(file.digest) if file.size else None
+            if held is not None and (dedup or (held == VAL and name == _TRAIN)):
+                dropped += 1
+                continue
+            holder.setdefault(file.digest, name)
+            parts.append(FilePart(file, None, filters_of(file)))
+        entries = {p.file.digest: p.file.relpath for p in parts if p.file.size}
+        records[where] = SourceRecord(validation=entries) if name == VAL else SourceRecord(train=entries)
+        splits[name] = _files_split(name, where, parts, settings.text_field)
+    return Corpus(settings, splits[_TRAIN], splits[VAL], records, (), dropped)
 
 
 def corpus_of_parameters(parameters: Mapping[str, Any]) -> Corpus:
@@ -315,17 +312,24 @@ def corpus_of_parameters(parameters: Mapping[str, Any]) -> Corpus:
 
 
 def resolve_corpus(data: str | DataSettings | None = None, **overrides: Any) -> Corpus:
-    """Find, read and fingerprint the corpus, and decide its split; tokenizes nothing."""
+    """Find, read and fingerprint the corpus, and decide its split; tokenizes nothing. With `split_from`,
+    the manifest's documents keep their sides, and a changed split rule is refused."""
     settings = as_settings(data, **overrides)
+    hook_digest(settings.doc_filter)  # an unimportable hook fails here, before the corpus is read
+    parent = None
+    if settings.split_from is not None:
+        parent = load_manifest(settings.split_from)
+        check_rule(parent.rule, split_rule(settings))
+    return _resolve(settings, parent)
+
+
+def _resolve(settings: DataSettings, parent: SplitManifest | None) -> Corpus:
     if settings.sources() is not None:
-        return _mixture(settings)
+        return _mixture(settings, parent)
     source = settings.data or "stdlib"
     if settings.val_data is not None:
-        return Corpus(
-            settings, _whole_source(source, settings, _TRAIN), _whole_source(settings.val_data, settings, VAL)
-        )
-    kind = kind_of(source)
-    if kind.list_files is None:
-        return Corpus(settings, *_table_splits(source, settings))
-    files = read_source_files(source, *kind.list_files(source), settings.text_field)
-    return Corpus(settings, *_split_files(source, files, settings))
+        return _with_val_data(source, settings)
+    if kind_of(source).list_files is None:
+        return Corpus(settings, *_table_splits(source, settings), {source: SourceRecord()})
+    record = parent.sources.get(source) if parent is not None else None
+    return _split_files(source, _listed(source, settings), settings, record)

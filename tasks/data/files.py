@@ -35,10 +35,12 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class FilePart:
-    """A file, or the documents of it that fall on one side of the split: `select` = (side, val_fraction)."""
+    """A file, or the documents of it that fall on one side of the split: `select` = (side, val_fraction);
+    `filters`: what each document goes through (a `tasks.data.filters.DocFilter.key`, "" for nothing)."""
 
     file: SourceFile
     select: tuple[str, float] | None = None
+    filters: str = ""
 
 
 # Digests this process computed, by (path, size, mtime, inode, ctime): a flow resolves its corpus several

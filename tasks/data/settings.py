@@ -95,6 +95,43 @@ class DataSettings(BaseModel):
         description="Stream a Hugging Face dataset instead of caching it as Arrow (corpora beyond disk)",
     )
 
+    # -- the split's record and the documents' filters (tasks.data.split, tasks.data.filters) --
+    split_from: str | None = Field(
+        None,
+        description="A split manifest (split_manifest.json of a packed dataset or a run) whose documents keep "
+        "their sides; a run with init_from takes its parent's (once validation, always validation)",
+    )
+    dedup: Literal["exact", "minhash", "off"] = Field(
+        "exact",
+        description="Drop exact copies of documents (exact), also near copies of whole files by MinHash "
+        "(minhash: pip install 'llamaflow[dedup]'), or keep copies (off: a copy of validation text is "
+        "still never trained on)",
+    )
+    near_dup_threshold: float = Field(
+        0.8, gt=0.0, lt=1.0, description="With dedup=minhash: the Jaccard similarity of near copies"
+    )
+    min_chars: int = Field(0, ge=0, description="Drop documents shorter than this many characters")
+    max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this many characters")
+    doc_filter: str | None = Field(
+        None,
+        description="A function 'module:function' every document goes through: it returns the text to "
+        "keep (changed or not) or None to drop the document",
+    )
+
+    @model_validator(mode="after")
+    def _check_filters(self) -> Any:
+        if self.max_chars is not None and self.max_chars < self.min_chars:
+            raise DataError(
+                f"max_chars={self.max_chars} is below min_chars={self.min_chars}: no document could be kept; "
+                "raise max_chars or lower min_chars."
+            )
+        if self.doc_filter is not None and ":" not in self.doc_filter:
+            raise DataError(
+                f"doc_filter={self.doc_filter!r} must be 'module:function' (an importable module's function "
+                "that takes a document's text and returns its text or None)."
+            )
+        return self
+
     @field_validator("data", mode="before")
     @classmethod
     def _parse_mixture(cls, value: Any) -> Any:

@@ -62,6 +62,7 @@ class PartSpec(BaseModel):
     size: int
     select: tuple[str, float] | None = None
     text_field: str = "text"
+    filters: str = ""  # tasks.data.filters.DocFilter.key
 
     @classmethod
     def of(cls, part: FilePart, text_field: str) -> PartSpec:
@@ -73,10 +74,13 @@ class PartSpec(BaseModel):
             size=f.size,
             select=part.select,
             text_field=text_field,
+            filters=part.filters,
         )
 
     def file_part(self) -> FilePart:
-        return FilePart(SourceFile(self.path, self.relpath, self.digest, self.size), self.select)
+        return FilePart(
+            SourceFile(self.path, self.relpath, self.digest, self.size), self.select, self.filters
+        )
 
 
 class TokenShard(BaseModel):
@@ -129,6 +133,7 @@ def part_key(part: PartSpec, tokenizer: TokenizerRef, add_bos: bool, dtype: str)
         _tokenizer_identity(tokenizer),
         str(add_bos),
         dtype,
+        *([part.filters] if part.filters else []),  # a part with no filter keeps the key it always had
     )
 
 
@@ -160,9 +165,9 @@ def _tokenizer(path: str) -> Any:
 def file_groups(parts: Sequence[PartSpec]) -> list[list[PartSpec]]:
     """`parts` grouped by the file they read, in first-seen order (each part once): a file's parts (its
     documents on either side of the split) are tokenized in one read of it."""
-    groups: dict[tuple[str, str, str], list[PartSpec]] = {}
+    groups: dict[tuple[str, str, str, str], list[PartSpec]] = {}
     for part in parts:
-        group = groups.setdefault((part.path, part.digest, part.text_field), [])
+        group = groups.setdefault((part.path, part.digest, part.text_field, part.filters), [])
         if part not in group:
             group.append(part)
     return list(groups.values())
@@ -242,7 +247,7 @@ def tokenize_file(
             writers.append(_EntryWriter(tokenizer, add_bos, dtype, out))
         first = parts[todo[0]]
         selects = [parts[i].select for i in todo]
-        for index, text in routed_texts(first.file_part().file, selects, first.text_field):
+        for index, text in routed_texts(first.file_part().file, selects, first.text_field, first.filters):
             batch.add(writers[index], text)
         batch.flush()
     for i, writer in zip(todo, writers, strict=True):

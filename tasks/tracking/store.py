@@ -272,6 +272,20 @@ def log_params(run_id: str, params: Mapping[str, Any], uri: str | None = None) -
     return {**flat, **{k: existing[k] for k in changed}}
 
 
+def log_split(run_id: str, dataset: DatasetRef, uri: str | None = None) -> None:
+    """The dataset's split manifest as an artifact of the run (a continued run carries it forward), and
+    the documents its corpus dropped as duplicates as a metric."""
+    from tasks.data.split import MANIFEST_NAME
+
+    client = get_client(uri)
+    manifest = Path(dataset.path) / MANIFEST_NAME
+    if manifest.is_file():
+        client.log_artifact(run_id, str(manifest))
+    removed = dataset.stats.get("duplicates_removed")
+    if removed is not None:
+        client.log_metric(run_id, "data/duplicates_removed", float(removed), synchronous=True)
+
+
 def log_datasets(run_id: str, dataset: DatasetRef, uri: str | None = None) -> None:
     """The packed training and validation splits as `mlflow.data` datasets of the run (contexts
     `training` and `validation`), digest = the dataset fingerprint, and a mixture's sources with their
