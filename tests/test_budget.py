@@ -136,3 +136,53 @@ def test_a_budgeted_run_plans_its_steps_ends_decayed_and_a_resume_keeps_the_plan
     assert BudgetPlan.from_dict(load_trainer_state(Path(resumed.path))["run"]["budget"]) == plan
     for name, tensor in load_file(str(Path(resumed.path) / "model.safetensors")).items():
         assert torch.equal(weights[name], tensor), name
+
+
+# ---------------------------------------------------------------- the flow's configuration
+
+
+def test_the_budget_gives_way_to_an_explicit_run_length() -> None:
+    from flows.pretrain_config import ConfigNote, PretrainConfig
+
+    budgeted = PretrainConfig(preset="tiny", time_budget="10m")
+    assert budgeted.max_steps is None and budgeted.budget_seconds == 600  # not the preset's max_steps
+    with pytest.warns(ConfigNote, match="time_budget=10m not used: max_steps=50 sets the run length"):
+        by_steps = PretrainConfig(preset="tiny", time_budget="10m", max_steps=50)
+    assert by_steps.max_steps == 50 and by_steps.budget_seconds is None
+    with pytest.warns(ConfigNote, match="time_budget=10m not used: epochs=2"):
+        by_epochs = PretrainConfig(preset="tiny", time_budget="10m", epochs=2)
+    assert by_epochs.max_steps is None and by_epochs.time_budget is None
+    with pytest.raises(ValueError, match="time_budget='soon' is not a duration"):
+        PretrainConfig(preset="tiny", time_budget="soon")
+
+
+def test_the_demo_shape_follows_the_hardware_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flows import demo_shapes
+    from flows.pretrain_config import PretrainConfig
+    from tasks.training import precision
+
+    monkeypatch.setattr(demo_shapes, "_fp32_cpu_host", lambda values: True)
+    fp32 = PretrainConfig()
+    assert fp32.demo_shape == demo_shapes.FP32_DEMO_SHAPE and fp32.max_steps is None
+    assert fp32.budget_seconds == parse_duration(demo_shapes.FP32_DEMO_BUDGET)
+    chosen = demo_shapes.DEMO_SHAPES[demo_shapes.FP32_DEMO_SHAPE]
+    assert fp32.llama_config().hidden_size == chosen["model_overrides"]["hidden_size"]
+    assert "without bf16 in hardware" in demo_shapes.describe_shape(fp32)
+    assert PretrainConfig(**fp32.model_dump()) == fp32  # a validated config validates to itself
+    # The user's choices stay: a batch given keeps the preset's model; a run length given drops the budget.
+    assert PretrainConfig(micro_batch_size=8).demo_shape == "preset"
+    assert PretrainConfig(max_steps=50).budget_seconds is None
+    monkeypatch.setattr(demo_shapes, "_fp32_cpu_host", lambda values: False)
+    native = PretrainConfig()  # where bf16 is native: today's demo exactly
+    assert native.demo_shape == "preset" and native.max_steps == 1200 and native.time_budget is None
+    assert native.llama_config().hidden_size == 320 and native.accumulate_steps == 2
+    monkeypatch.undo()
+    # The probe honours an AVX2 emulation (torch dispatching below AVX-512): no native bf16 there.
+    monkeypatch.setattr(precision.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    precision.native_bf16.cache_clear()
+    try:
+        assert not precision.native_bf16("cpu")
+        assert demo_shapes._fp32_cpu_host({"device": "cpu"})
+    finally:
+        monkeypatch.undo()
+        precision.native_bf16.cache_clear()

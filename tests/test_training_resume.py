@@ -126,6 +126,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "keep_checkpoints": 5,
     "log_every": 2,
     "max_time_s": 3600.0,
+    "time_budget": 3600.0,  # a resume keeps the run length its checkpoint has: a budget never re-plans it
     "data_parallel": "fsdp",
     "activation_checkpointing": "full",
     "fsdp_gradient_sync": "last_micro_batch",
