@@ -87,9 +87,9 @@ def resolve_demo_shape(values: dict[str, Any], merged: dict[str, Any]) -> None:
     if shape == "auto":
         chosen = not any(name in values for name in _SHAPE_FIELDS) and _fp32_cpu_host(values)
         shape = FP32_DEMO_SHAPE if chosen else "preset"
-        if chosen and not any(name in values for name in ("max_steps", "epochs")):
+        if chosen and not any(name in values for name in ("max_steps", "epochs", "time_budget")):
             merged["max_steps"] = None
-            merged.setdefault("time_budget", FP32_DEMO_BUDGET)
+            merged["time_budget"] = FP32_DEMO_BUDGET
     merged["demo_shape"] = shape
     if shape != "preset":
         merged.update({k: v for k, v in DEMO_SHAPES[shape].items() if k not in values})
