@@ -13,6 +13,7 @@ Composition only: the stages run in order in `pretrain`; the work lives in `task
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -21,10 +22,12 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import cli
+from flows.demo_shapes import describe_shape
 from flows.pool.placement import check_placement, train_where_placed
 from flows.pool.remote_train import FLOW_TIMEOUT_S
 from flows.pretrain_config import PretrainConfig
 from flows.result import PretrainResult, print_summary
+from flows.run_budget import budget_terms, run_plan
 from model import LlamaConfig
 from tasks import home, refs
 from tasks.build import build_model, parent_config
@@ -38,6 +41,7 @@ from tasks.register import register_task
 from tasks.registry import lineage
 from tasks.tracking import checkpoints, report, runs, store
 from tasks.training import TrainingInterrupted
+from tasks.training.budget import format_duration
 
 # The engine-side build stays free of Prefect (benchmarks/gpu_check.py runs where Prefect is not installed).
 build_model_task = task(build_model, name="build_model")
@@ -53,6 +57,7 @@ build_model_task = task(build_model, name="build_model")
 )
 def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # noqa: B008 (a frozen default)
     """Pretrain a Llama-style model and register it in MLflow. See `PretrainConfig` for every option."""
+    started = time.time()  # a time_budget counts from here
     uri, run_name, run_dir = _set_up(config)
     # The parent (init_from), resolved once, here: an alias is pinned to its version for every later stage
     # and node; a retry or a resumed rerun of this run directory keeps what its start resolved.
@@ -65,21 +70,26 @@ def pretrain(config: PretrainConfig = PretrainConfig()) -> PretrainResult:  # no
     if optimizer_state is not None:
         model = model.model_copy(update={"optimizer_state": optimizer_state})
     keep_tokenizer(run_dir, tokenizer)
-    _log_start(model, dataset, parent)
+    _log_start(config, model, dataset, parent)
     run_id = _open_run(config, run_name, run_dir, uri)
     with _ending_run(run_id, uri):
         _log_inputs(run_id, config, model_config, dataset, parent, uri)
         if optimizer_state is not None:
             lineage.log_parent_optimizer(run_id, optimizer_state, uri)
-        checkpoint = train_where_placed(config, model, dataset, run_dir, run_id)
+        budget = budget_terms(config, dataset, started) if config.time_budget is not None else None
+        checkpoint = train_where_placed(config, model, dataset, run_dir, run_id, budget)
         evaluation = _evaluate(config, checkpoint, dataset, tokenizer, model)
         _log_evaluation(run_id, evaluation, checkpoint, dataset, uri)
+        store.log_params(run_id, {"run_plan": checkpoint.run_length}, uri)
         registered = (
             _register(config, run_id, checkpoint, tokenizer, dataset, evaluation, parent)
             if config.register_version
             else None
         )
     result = _result(run_id, registered, evaluation, checkpoint, tokenizer, dataset, model, parent, uri)
+    result = result.model_copy(
+        update={"started_at": started, "shape": describe_shape(config), "plan": run_plan(checkpoint)}
+    )
     report.publish_summary(result.model_dump(mode="json"))
     print_summary(result)
     return result
@@ -151,11 +161,20 @@ def _end_runs_left_running(experiment: str, uri: str) -> None:
         log.info(f"MLflow run {run_id} was left RUNNING by a flow run that is over: ended {status}")
 
 
-def _log_start(model: refs.ModelRef, dataset: refs.DatasetRef, parent: refs.ParentRef | None) -> None:
+def _log_start(
+    config: PretrainConfig, model: refs.ModelRef, dataset: refs.DatasetRef, parent: refs.ParentRef | None
+) -> None:
     start = f"from {parent.pinned}" if parent else "from scratch"
-    get_run_logger().info(
+    log = get_run_logger()
+    log.info(
         f"model: {model.n_params / 1e6:.2f}M parameters {start}; data: {dataset.train_tokens:,} training tokens"
     )
+    log.info(f"shape: {describe_shape(config)}")
+    if config.budget_seconds is not None:
+        log.info(
+            f"time budget {format_duration(config.budget_seconds)}: the steps that fit are measured and planned "
+            "before training (the plan and its expected end follow)"
+        )
 
 
 def _open_run(config: PretrainConfig, run_name: str, run_dir: str, uri: str) -> str:

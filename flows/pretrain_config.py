@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from flows.demo_shapes import FP32_DEMO_BUDGET, FP32_DEMO_SHAPE, resolve_demo_shape
 from model import LlamaConfig
 from tasks.data.settings import DataSettings
 from tasks.refs import Promotion
@@ -127,6 +128,12 @@ class PretrainConfig(TrainSettings, DataSettings):
 
     preset: Literal["tiny", "demo", "125m"] = Field(
         "demo", description="Named defaults: tiny (tests), demo (main job), 125m (one GPU)"
+    )
+    demo_shape: Literal["auto", "preset", "2x320-b32", "2x320-b16", "2x256-b16", "2x192-b16"] = Field(
+        "auto",
+        description="The demo's model and batch shape: auto is the preset's where the CPU or GPU has bf16 in "
+        f"hardware, and on a CPU without (fp32) {FP32_DEMO_SHAPE} (unless model or batch fields are given) within "
+        f"time_budget {FP32_DEMO_BUDGET} (unless max_steps or epochs are); preset, or a measured shape by name",
     )
     # data (the corpus options are those of DataSettings, tasks/data/settings.py)
     tokenizer: str | None = Field(
@@ -242,6 +249,24 @@ class PretrainConfig(TrainSettings, DataSettings):
             }
         if "epochs" in values and "max_steps" not in values:
             merged["max_steps"] = None  # the epochs given set the run length, not the preset's max_steps
+        resolve_demo_shape(values, merged)
+        if values.get("time_budget") is not None:
+            if "max_steps" not in values and "epochs" not in values:
+                merged["max_steps"] = None  # the budget sets the run length, not the preset's max_steps
+            elif "epochs" in values and "max_steps" not in values:
+                merged["time_budget"] = None
+                warnings.warn(
+                    f"time_budget={values['time_budget']} not used: epochs={values['epochs']} sets the run length",
+                    ConfigNote,
+                    stacklevel=2,
+                )
+            elif values.get("max_steps") is not None:
+                warnings.warn(
+                    f"time_budget={values['time_budget']} not used: max_steps={values['max_steps']} sets the run "
+                    "length",
+                    ConfigNote,
+                    stacklevel=2,
+                )
         warmup, max_steps = merged.get("warmup_steps"), merged.get("max_steps")
         preset_warmup_too_long = (
             "warmup_steps" not in values

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pydantic import BaseModel, Field
 
 from tasks.home import describe_locations
@@ -15,6 +17,7 @@ from tasks.refs import (
     TokenizerRef,
 )
 from tasks.tracking import store
+from tasks.training.budget import BudgetPlan, format_duration
 
 
 class PretrainResult(BaseModel):
@@ -29,6 +32,9 @@ class PretrainResult(BaseModel):
     tracking_uri: str = Field(description="The MLflow store, credentials redacted")
     model: ModelRef | None = Field(None, description="The initial weights (from the parent with init_from)")
     parent: ParentRef | None = Field(None, description="The model this run started from (init_from)")
+    started_at: float | None = Field(None, description="Unix time the flow started")
+    shape: str | None = Field(None, description="The model and batch shape that trained, and why")
+    plan: BudgetPlan | None = Field(None, description="The time budget's plan (None: a fixed run length)")
 
 
 def summary_lines(
@@ -71,6 +77,22 @@ def lineage_lines(result: PretrainResult) -> list[str]:
     return lines
 
 
+def timing_lines(result: PretrainResult, now: float) -> list[str]:
+    """How long the flow took, against its budget and the plan's expected end when it had one."""
+    if result.started_at is None:
+        return []
+    took = f"wall clock: {format_duration(now - result.started_at)} from the start to this summary"
+    plan = result.plan
+    if plan is None:
+        return [took]
+    verdict = "within" if now - plan.started_at <= plan.budget_s else "OVER"
+    expected = time.strftime("%H:%M:%S UTC", time.gmtime(plan.end_at))
+    return [
+        f"{took}, {verdict} its time budget of {format_duration(plan.budget_s)} (the plan expected "
+        f"{format_duration(plan.end_at - plan.started_at)}, to end at {expected})"
+    ]
+
+
 def print_summary(result: PretrainResult) -> None:
     ev = result.evaluation
     lines = ["", "=" * 72]
@@ -86,8 +108,11 @@ def print_summary(result: PretrainResult) -> None:
         f"tokens/s: {result.metrics.get('tokens_per_s', float('nan')):,.0f}   "
         f"scored: {ev.scored_bytes:,} bytes of validation text"
     )
+    if result.shape:
+        lines.append(f"shape: {result.shape}")
     if result.checkpoint.run_length:
         lines.append(f"run length: {result.checkpoint.run_length}")
+    lines += timing_lines(result, time.time())
     reg = result.registered
     if reg is None:
         lines.append(

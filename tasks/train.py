@@ -22,6 +22,7 @@ from prefect.logging import get_run_logger
 
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import MetricSink, TrainingInterrupted, TrainSettings, fit
+from tasks.training.budget import BudgetTerms
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
@@ -119,11 +120,14 @@ def train(
     *,
     run_id: str | None = None,
     log_interval_s: float = 15.0,
+    budget: BudgetTerms | None = None,
 ) -> CheckpointRef:
     """Train `model` on `dataset` in `run_dir` (resuming what it holds); metrics go to MLflow run `run_id`.
 
     The run id is kept in `run_dir` beside the checkpoints, so a rerun that resumes them continues the
     same MLflow run (`tasks.tracking.runs`); the sink fills in the steps MLflow missed before a kill.
+    `budget` (with settings.time_budget): when the flow's budget started and what follows training; the
+    plan's numbers reach MLflow as `budget/*` metrics with the first step.
     """
     progress = PrefectProgress(settings.max_steps, log_interval_s)
     sinks: list[MetricSink] = [progress]
@@ -137,7 +141,7 @@ def train(
         sinks.append(mlflow_sink)
         monitor = start_system_metrics(run_id)
     try:
-        checkpoint = fit(model, dataset, settings, run_dir, FanOut(sinks))
+        checkpoint = fit(model, dataset, settings, run_dir, FanOut(sinks), budget=budget)
     except BaseException:
         if mlflow_sink is not None:
             try:  # what it cannot write now is in metrics.jsonl, for the run that continues this one

@@ -351,3 +351,35 @@ def test_kill_9_and_a_rerun_leave_one_run_with_every_step_once_bit_equal(prefect
     )
     (version,) = client.search_model_versions("name='e2e-kill'")
     assert version.run_id == run.info.run_id
+
+
+def test_a_budgeted_flow_plans_its_steps_ends_decayed_and_records_the_plan(
+    prefect_api, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 52 item 1, cheaply: a budget of one second is too short for the tiny preset's warmup, so the
+    plan takes its minimum (warmup + 1 steps) and says so; the schedule ends decayed there."""
+    config = PretrainConfig(
+        preset="tiny",
+        time_budget="1s",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        register_version=False,
+        experiment="e2e-budget",
+        **{k: v for k, v in SHORT.items() if k != "max_steps"},
+    )
+    assert config.max_steps is None  # the budget, not the preset's max_steps, sets the run length
+    result = pretrain(config)
+    plan = result.plan
+    assert plan is not None and plan.steps == config.warmup_steps + 1 == result.checkpoint.step
+    assert "too little for 6 step(s)" in plan.reason
+    client = MlflowClient(home.tracking_uri())
+    run = client.get_run(result.run_id)
+    assert run.data.metrics["budget/planned_steps"] == plan.steps
+    assert run.data.params["run_plan"].startswith("6 optimizer steps, set by time_budget=1s: a step takes ")
+    lrs = {m.step: m.value for m in client.get_metric_history(result.run_id, "train/lr")}
+    assert lrs[plan.steps] == pytest.approx(
+        config.lr * config.min_lr_ratio
+    )  # decayed at the planned last step
+    print_summary(result)
+    out = capsys.readouterr().out
+    assert "shape: 2 x 64, vocabulary 2048, 8 x 2 x 128 tokens per step (preset tiny)" in out
+    assert "OVER its time budget of 1s (the plan expected " in out

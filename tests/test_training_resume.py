@@ -126,6 +126,7 @@ CARRIES_OUT_THE_RUN: dict[str, object] = {
     "keep_checkpoints": 5,
     "log_every": 2,
     "max_time_s": 3600.0,
+    "time_budget": 3600.0,  # a resume keeps the run length its checkpoint has: a budget never re-plans it
     "data_parallel": "fsdp",
     "hsdp_shard_size": 2,
     "activation_checkpointing": "full",

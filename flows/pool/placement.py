@@ -20,6 +20,7 @@ from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.tracking.store import redact_uri
 from tasks.train import train_task
 from tasks.training import TrainSettings
+from tasks.training.budget import BudgetTerms
 
 
 class PlacementError(RuntimeError):
@@ -57,16 +58,22 @@ def _missing(deployment: str, api_url: str) -> PlacementError:
 
 
 def train_where_placed(
-    config: PretrainConfig, model: ModelRef, dataset: DatasetRef, run_dir: str, run_id: str
+    config: PretrainConfig,
+    model: ModelRef,
+    dataset: DatasetRef,
+    run_dir: str,
+    run_id: str,
+    budget: BudgetTerms | None = None,
 ) -> CheckpointRef:
     """Train where `config.placement` says; a retry resumes from the newest checkpoint in `run_dir`.
+    `budget`: the flow's time budget terms for a local run (a deployment's budget covers its training).
 
     A stop (cancellation, SIGTERM, Ctrl-C) is not retried: training checkpoints and the run ends.
     """
     settings = config.train_settings()
     if config.placement == "local":
         return train_task.with_options(retries=config.train_retries)(
-            model, dataset, settings, run_dir, run_id=run_id
+            model, dataset, settings, run_dir, run_id=run_id, budget=budget
         )
     return train_on_deployment(
         config.train_deployment,

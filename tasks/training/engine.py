@@ -5,8 +5,10 @@ torchrun job."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +23,8 @@ from model import LlamaConfig
 from tasks.data.packed import open_blocks, read_meta
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import checkpoint as ckpt
+from tasks.training.budget import BudgetPlan, BudgetTerms
+from tasks.training.calibrate import measure_and_plan
 from tasks.training.distributed import DistContext, resolve_device
 from tasks.training.errors import TrainingInputError
 from tasks.training.loader import BlockLoader
@@ -111,8 +115,9 @@ def validate_inputs(
 @dataclass(frozen=True)
 class _RunPlan:
     blocks: np.ndarray  # the train split's packed blocks
-    shape: RunShape
+    shape: RunShape  # total_steps 0 while a time budget has not planned it yet
     length: str  # the run's length in words, for metrics and warnings
+    budget: BudgetPlan | None = None
 
     @property
     def total_steps(self) -> int:
@@ -145,6 +150,10 @@ def _plan_run(
     device: torch.device,
 ) -> _RunPlan:
     blocks = open_blocks(dataset_ref.path, "train")
+    if settings.budget_seconds is not None:
+        total_optimizer_steps(len(blocks), 1, 1, 1, 1.0, 1)  # its check of an empty split
+        shape = _shape(0, settings, dist, meta, dataset_ref, device)
+        return _RunPlan(blocks=blocks, shape=shape, length="planned by time_budget")
     total_steps = total_optimizer_steps(
         len(blocks),
         settings.micro_batch_size,
@@ -153,14 +162,7 @@ def _plan_run(
         settings.epochs,
         settings.max_steps,
     )
-    shape = RunShape(
-        total_steps=total_steps,
-        micro_batch_size=settings.micro_batch_size,
-        accumulate_steps=settings.accumulate_steps,
-        world_size=dist.world_size,
-        dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
-        precision=precision_recipe(parallel_mode(settings), device.type, settings.dtype),
-    )
+    shape = _shape(total_steps, settings, dist, meta, dataset_ref, device)
     length = describe_run_length(
         total_steps,
         max_steps=settings.max_steps,
@@ -178,14 +180,58 @@ def _plan_run(
     return _RunPlan(blocks=blocks, shape=shape, length=length)
 
 
+def _shape(
+    total_steps: int,
+    settings: TrainSettings,
+    dist: DistContext,
+    meta: dict[str, Any],
+    dataset_ref: DatasetRef,
+    device: torch.device,
+) -> RunShape:
+    return RunShape(
+        total_steps=total_steps,
+        micro_batch_size=settings.micro_batch_size,
+        accumulate_steps=settings.accumulate_steps,
+        world_size=dist.world_size,
+        dataset_fingerprint=str(meta.get("fingerprint", dataset_ref.fingerprint)),
+        precision=precision_recipe(parallel_mode(settings), device.type, settings.dtype),
+    )
+
+
+def _planned(plan: _RunPlan, settings: TrainSettings, budget: BudgetPlan) -> _RunPlan:
+    """`plan` with the length `budget` decided."""
+    length = describe_run_length(
+        budget.steps,
+        max_steps=None,
+        epochs=settings.epochs,
+        n_blocks=len(plan.blocks),
+        global_batch=plan.shape.global_batch,
+        budget=budget.describe(),
+    )
+    shape = dataclasses.replace(plan.shape, total_steps=budget.steps)
+    return dataclasses.replace(plan, shape=shape, length=length, budget=budget)
+
+
+def _kept_plan(plan: _RunPlan, state: dict[str, Any] | None) -> _RunPlan:
+    """A budgeted run that resumes keeps the length its checkpoint was planned with: it never re-plans."""
+    if state is None or plan.budget is not None or plan.shape.total_steps:
+        return plan
+    run = state.get("run", {})
+    shape = dataclasses.replace(plan.shape, total_steps=int(state["total_steps"]))
+    budget = BudgetPlan.from_dict(run["budget"]) if "budget" in run else None
+    return dataclasses.replace(plan, shape=shape, length=str(run.get("length", "")), budget=budget)
+
+
 def _resume_point(
     run_dir: Path, settings: TrainSettings, plan: _RunPlan, config: LlamaConfig, dist: DistContext
-) -> tuple[Path | None, dict[str, Any] | None]:
-    """The checkpoint this run resumes from and its trainer state, checked against the run (or none)."""
+) -> tuple[Path | None, dict[str, Any] | None, _RunPlan]:
+    """The checkpoint this run resumes from and its trainer state, checked against the run (or none), and
+    the run's plan (a budgeted one's length is its checkpoint's)."""
     resume = find_resume(run_dir, dist)
     if resume is None:
-        return None, None
+        return None, None, plan
     state = ckpt.load_trainer_state(resume)
+    plan = _kept_plan(plan, state)
     check_resume(resume, state, settings, plan.shape, config)
     if dist.is_main:
         print(
@@ -193,7 +239,7 @@ def _resume_point(
             flush=True,
         )
         JsonlMetrics(run_dir).log_event(resumed_from=str(resume), step=int(state["step"]))
-    return resume, state
+    return resume, state, plan
 
 
 def _restore_state(
@@ -231,13 +277,17 @@ def run_process(
     progress: bool = True,
     dist: DistContext | None = None,
     should_stop: Callable[[], bool] | None = None,
+    budget: BudgetTerms | None = None,
 ) -> CheckpointRef:
+    """`budget`: what the caller knows of the time outside training, for a `time_budget` run (by default
+    the budget starts now and covers training alone)."""
     dist = dist or DistContext()
+    started = time.time()
     config, meta = validate_inputs(model_ref, dataset_ref, settings)
     device, settings = _settle_device(settings, dist)
     run_dir = _open_run_dir(run_dir, dist)
     plan = _plan_run(dataset_ref, meta, settings, dist, device)
-    resume, state = _resume_point(run_dir, settings, plan, config, dist)
+    resume, state, plan = _resume_point(run_dir, settings, plan, config, dist)
     if resume is not None and state is not None and state["step"] >= plan.total_steps:
         return checkpoint_ref(resume, run_dir, state)
 
@@ -268,7 +318,8 @@ def run_process(
     elif model_ref.optimizer_state is not None:  # a new run that starts with its parent's optimizer state
         load_parent_optimizer_state(Path(model_ref.optimizer_state), parallel.plain, optimizer)
 
-    loop = TrainLoop(
+    new_loop = functools.partial(
+        TrainLoop,
         parallel=parallel,
         optimizer=optimizer,
         loader=loader,
@@ -276,7 +327,6 @@ def run_process(
         dist=dist,
         device=device,
         run_dir=run_dir,
-        total_steps=plan.total_steps,
         step=step,
         tokens_seen=tokens_seen,
         config=config,
@@ -285,7 +335,21 @@ def run_process(
         progress=progress,
         should_stop=should_stop,
         last_checkpoint=resume,
-        run_facts={**plan.shape.to_dict(), "length": plan.length},
         periodic_eval=PeriodicEval.from_settings(dataset_ref, settings, device),
+    )
+    if settings.budget_seconds is not None and plan.budget is None and not plan.total_steps:
+        terms = budget or BudgetTerms(total_s=settings.budget_seconds, started_at=started)
+        calibration = new_loop(total_steps=1 << 30, progress=False, sink=None)
+        plan = _planned(plan, settings, measure_and_plan(calibration, plan.blocks, terms, dist))
+    if dist.is_main:
+        print(f"[llamaflow] plan: {plan.length}", flush=True)
+    loop = new_loop(
+        total_steps=plan.total_steps,
+        run_facts={
+            **plan.shape.to_dict(),
+            "length": plan.length,
+            **({"budget": plan.budget.to_dict()} if plan.budget else {}),
+        },
+        first_metrics=plan.budget.metrics() if plan.budget and resume is None else {},
     )
     return loop.run()

@@ -21,6 +21,7 @@ from model.atomic import write_text_atomic
 from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import rendezvous, storage
+from tasks.training.budget import BudgetTerms
 from tasks.training.engine import run_process, validate_inputs
 from tasks.training.errors import TrainingError, TrainingInputError, TrainingInterrupted
 from tasks.training.faults import FaultInjector
@@ -45,6 +46,7 @@ class WorkerSpec(BaseModel):
     settings: TrainSettings
     run_dir: str
     progress: bool
+    budget: BudgetTerms | None = None
 
 
 def fit(
@@ -56,6 +58,7 @@ def fit(
     *,
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
+    budget: BudgetTerms | None = None,
 ) -> CheckpointRef:
     """Train from `model_ref`'s initial weights on `dataset_ref`'s train split; return the final checkpoint.
 
@@ -64,6 +67,8 @@ def fit(
     Raises TrainingError (non-finite loss, bad input, failed workers), TrainingInterrupted (SIGINT/SIGTERM or
     `should_stop()` returned True, after a checkpoint) and RunDirectoryBusy (another job holds `run_dir` for
     longer than `stop_grace_s`; see tasks/training/run_lock.py).
+    With `settings.time_budget`, `budget` says when the budget started and what follows training (the
+    flow's evaluation); without it the budget starts with training and covers it alone.
     """
     run_dir = storage.local_run_dir(run_dir)  # a store URL's node-local mirror (storage.py)
     # Cheap checks first: bad input fails before the run directory exists, not in N workers after start-up.
@@ -78,7 +83,14 @@ def fit(
         storage.pull_newest(run_dir)
         if not rendezvous.uses_torchrun(settings):
             return run_process(
-                model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
+                model_ref,
+                dataset_ref,
+                settings,
+                run_dir,
+                sink,
+                progress=progress,
+                should_stop=should_stop,
+                budget=budget,
             )
         with rendezvous.arrival(run_dir, settings):
             return _fit_with_torchrun(
@@ -90,6 +102,7 @@ def fit(
                 progress=progress,
                 should_stop=should_stop,
                 lock_fd=lock.fd,
+                budget=budget,
             )
 
 
@@ -127,6 +140,7 @@ def _fit_with_torchrun(
     progress: bool,
     should_stop: Callable[[], bool] | None,
     lock_fd: int | None,
+    budget: BudgetTerms | None = None,
 ) -> CheckpointRef:
     spec_path = write_worker_spec(
         WorkerSpec(
@@ -135,6 +149,7 @@ def _fit_with_torchrun(
             settings=settings,
             run_dir=str(run_dir),
             progress=progress,
+            budget=budget,
         )
     )
     result_path = run_dir / RESULT_FILE

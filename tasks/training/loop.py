@@ -61,6 +61,7 @@ class TrainLoop:
     last_checkpoint: Path | None
     run_facts: dict[str, Any] = field(default_factory=dict)  # RunShape and run length, saved for resume
     periodic_eval: PeriodicEval | None = None  # validation scores every eval_every steps
+    first_metrics: dict[str, float] = field(default_factory=dict)  # logged with the first step's (the plan)
 
     def __post_init__(self) -> None:
         self.faults = FaultInjector(self.run_dir)
@@ -169,6 +170,7 @@ class TrainLoop:
             metrics["train/compile_time_s"] = wall_time
             # What MFU is relative to: a CPU's peak is measured (and may be re-measured by a later run).
             metrics["train/peak_flops"] = self.peak_flops
+            metrics.update(self.first_metrics)
         else:
             self.steady_tokens += int(n_tokens)
             self.steady_time += wall_time

@@ -22,10 +22,16 @@ BF16_FSDP_PARAMS = "FSDP2 bf16 mixed precision (bf16 parameters and residual str
 @cache
 def native_bf16(device_type: str) -> bool:
     """Whether `device_type` runs bf16 matmuls in hardware: CUDA GPUs from Ampere on, CPUs with AVX-512
-    BF16 or AMX. Elsewhere (an AVX2 CPU) oneDNN emulates them, 20-50x slower than fp32."""
+    BF16 or AMX. Elsewhere (an AVX2 CPU) oneDNN emulates them, 20-50x slower than fp32.
+
+    A CPU whose kernels torch dispatches below AVX-512 counts as without: that is how an AVX2-only host is
+    emulated on a newer one (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: torch and oneDNN then run
+    AVX2 kernels), so its timings are the emulation's, not a real AVX2 host's."""
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":
+        if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            return False
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
         return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
     return False

@@ -53,6 +53,7 @@ def main(spec_path: str) -> None:
             spec.run_dir,
             progress=spec.progress,
             dist=context,
+            budget=spec.budget,
         )
         if context.is_main:
             write_text_atomic(Path(spec.run_dir) / RESULT_FILE, ref.model_dump_json())

@@ -35,12 +35,21 @@ def steps_per_epoch(n_blocks: int, global_batch: int) -> float:
 
 
 def describe_run_length(
-    total_steps: int, *, max_steps: int | None, epochs: float, n_blocks: int, global_batch: int
+    total_steps: int,
+    *,
+    max_steps: int | None,
+    epochs: float,
+    n_blocks: int,
+    global_batch: int,
+    budget: str | None = None,
 ) -> str:
-    """One sentence for the run summary: how many optimizer steps, and which setting decided it."""
+    """One sentence for the run summary: how many optimizer steps, and which setting decided it (`budget`:
+    the plan's own sentence, `tasks.training.budget.BudgetPlan.describe`, when a time budget did)."""
     per_epoch = steps_per_epoch(n_blocks, global_batch)
     per_epoch_text = f"{per_epoch:,.3f}".rstrip("0").rstrip(".")
     data = f"{n_blocks:,} blocks, {global_batch} blocks per step, {per_epoch_text} steps per epoch"
+    if budget is not None:
+        return f"{budget} ({total_steps / per_epoch:.3g} epochs of {data})"
     if max_steps is not None:
         return (
             f"{total_steps} optimizer steps, set by max_steps={max_steps} (epochs={epochs:g} not used; "

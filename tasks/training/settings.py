@@ -19,7 +19,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tasks.training.budget import parse_duration
 
 
 class OnResume(Enum):
@@ -40,7 +42,9 @@ class TrainSettings(BaseModel):
     """How to train. Steps are optimizer steps; one step consumes `micro_batch_size * accumulate_steps *
     nproc_per_node * nnodes` packed blocks.
 
-    Length of the run: `max_steps` when it is set; otherwise `ceil(epochs * n_blocks / global batch)`.
+    Length of the run: `max_steps` when it is set; otherwise, with `time_budget`, as many steps as fit in
+    the budget on this host (measured before the first update: `tasks.training.budget`); otherwise
+    `ceil(epochs * n_blocks / global batch)`.
     Every step holds a whole global batch: an epoch's leftover blocks open the next step.
     """
 
@@ -212,6 +216,13 @@ class TrainSettings(BaseModel):
     max_time_s: MayChange[float | None] = Field(
         None, gt=0, description="Stop (after a checkpoint) once training ran this long"
     )
+    # The plan it makes is kept with the checkpoints: a resume continues the planned run whatever this says.
+    time_budget: MayChange[str | float | None] = Field(
+        None,
+        description="Wall-clock budget of the whole run (10m, 1h30m, 90s or seconds): the steps that fit are "
+        "measured and planned before the first update, and the schedule is laid over them (ends decayed); "
+        "max_steps, when set, wins",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -222,6 +233,11 @@ class TrainSettings(BaseModel):
                 "tokenizer and seq_len; set eval_bytes instead"
             )
         return values
+
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _seconds(cls, value: object) -> float | None:
+        return None if value is None else parse_duration(value)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _check(self) -> TrainSettings:
@@ -240,6 +256,11 @@ class TrainSettings(BaseModel):
                 "logged with the step's metrics"
             )
         return self
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """The time budget in seconds when it decides the run length (max_steps unset), else None."""
+        return float(self.time_budget) if self.time_budget is not None and self.max_steps is None else None
 
     def _check_hsdp(self) -> None:
         if self.data_parallel != "hsdp":
