@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows import cli
 from flows.slurm.__main__ import main
 from flows.slurm.node import head_address
+from flows.slurm.script import check_kill_wait
 from model import get_preset
 from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.training import TrainSettings
@@ -46,9 +48,36 @@ def test_the_script_runs_one_node_step_per_node_with_a_rank_per_gpu(tmp_path: Pa
         assert f"#SBATCH {directive}\n" in script, script
     assert f"#SBATCH --output={run}/slurm-%j.out\n" in script
     step = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert "--kill-on-bad-exit=1" in step and f"flows.slurm.node {config}" in step, step
-    assert f"--nnodes 4 --nproc-per-node 8 --checkpoint-dir {run}" in step, step
+    assert "--kill-on-bad-exit=1" in step and f"flows.node {config}" in step, step
+    assert f"--nproc-per-node 8 --checkpoint-dir {run} &" in step, step  # nodes: from SLURM's environment
     assert not run.exists()  # printing writes nothing
+
+
+def test_the_job_requeues_itself_before_its_time_limit_unless_told_not_to(tmp_path: Path, capsys) -> None:
+    """USR1 stop_grace_s + 60 s before the limit, to the batch shell only (B:), whose trap requeues the job:
+    every node then stops at a checkpoint and the next incarnation resumes. The step runs in the background,
+    as bash runs a trap only between commands; the script's exit status is still the step's."""
+    config = _config(tmp_path, checkpoint_dir=str(tmp_path / "run"), stop_grace_s=20)
+    assert main([str(config), "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --requeue\n" in script and "#SBATCH --signal=B:USR1@80\n" in script, script
+    assert 'scontrol requeue "$SLURM_JOB_ID"\' USR1' in script, script
+    assert 'until wait "$step"; do status=$?; kill -0 "$step" 2>/dev/null || exit "$status"; done' in script
+    argv = [str(config), "--nodes", "2", "--gpus-per-node", "8", "--no-requeue", "--no-requeue-before-limit"]
+    assert main(argv) == 0
+    script = capsys.readouterr().out
+    assert "--requeue" not in script and "--signal" not in script and "trap" not in script, script
+    assert next(line for line in script.splitlines() if line.startswith("srun ")).endswith(
+        str(tmp_path / "run")
+    )
+
+
+def test_a_stop_grace_longer_than_killwait_is_named_with_its_fix(tmp_path: Path) -> None:
+    config = cli.config_from_args(["--preset", "tiny", "--stop-grace-s", "30"])
+    assert check_kill_wait(config, None) is None and check_kill_wait(config, 31) is None
+    says = check_kill_wait(config, 30)
+    assert says is not None and "stop_grace_s=30 does not fit in this cluster's KillWait=30 s" in says
+    assert "Set stop_grace_s below 30" in says
 
 
 @pytest.mark.parametrize(
@@ -126,7 +155,15 @@ def test_node_0_refuses_a_loopback_address_naming_llamaflow_node_addr(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("LLAMAFLOW_NODE_ADDR", "127.0.1.1")
-    with pytest.raises(TrainingInputError, match="set LLAMAFLOW_NODE_ADDR"):
+    with pytest.raises(TrainingInputError) as refused:
+        head_address(["node1"])
+    says = str(refused.value)
+    # srun copies a batch script's export to every node: the fix must be one each node resolves for itself
+    assert "export LLAMAFLOW_NODE_IFACE=eth0 in the batch script" in says, says
+    assert "LLAMAFLOW_NODE_ADDR to this machine's address, set on this machine only" in says, says
+    monkeypatch.delenv("LLAMAFLOW_NODE_ADDR")
+    monkeypatch.setenv("LLAMAFLOW_NODE_IFACE", "lo")
+    with pytest.raises(TrainingInputError, match="got 127.0.0.1"):
         head_address(["node1"])
 
 

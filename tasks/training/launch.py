@@ -79,7 +79,7 @@ def fit(
             return run_process(
                 model_ref, dataset_ref, settings, run_dir, sink, progress=progress, should_stop=should_stop
             )
-        with rendezvous.arrival(run_dir, settings):
+        with rendezvous.served_store(settings), rendezvous.arrival(run_dir, settings):
             return _fit_with_torchrun(
                 model_ref,
                 dataset_ref,
