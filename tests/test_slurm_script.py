@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -180,3 +182,29 @@ def test_sigterm_from_slurm_and_torchrun_at_once_is_one_stop_request_but_ctrl_c_
     with signals.installed(), pytest.raises(KeyboardInterrupt, match="second SIGINT"):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_the_trap_requeues_while_the_step_runs_and_the_script_ends_with_the_step(
+    tmp_path: Path, capsys
+) -> None:
+    """The batch script as rendered, with the step replaced by a process of known length and `scontrol` by
+    a function recording its call: bash runs the USR1 trap at once (not after the step), then waits for the
+    step and ends with its exit status."""
+    config = _config(tmp_path, checkpoint_dir=str(tmp_path / "run"))
+    assert main([str(config), "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    script = capsys.readouterr().out
+    step = next(line for line in script.splitlines() if line.startswith("srun "))
+    calls = tmp_path / "calls"
+    stub = f'scontrol() {{ echo "$(date +%s.%N) $*" >> {calls}; }}\n'
+    command = step.removesuffix(" &")
+    body = script.replace("#!/bin/bash\n", f"#!/bin/bash\n{stub}").replace(command, "(sleep 4; exit 3)")
+    (tmp_path / "job.sh").write_text(body)
+    started = time.time()
+    shell = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env={**os.environ, "SLURM_JOB_ID": "9"})
+    time.sleep(1)
+    shell.send_signal(signal.SIGUSR1)
+    assert shell.wait(timeout=20) == 3  # the step's status, after the trap
+    at, call = calls.read_text().split(" ", 1)
+    assert call.strip() == "requeue 9"
+    assert float(at) - started < 3, "the trap waited for the step to end"
+    assert time.time() - started >= 4  # and the script waited for the step
