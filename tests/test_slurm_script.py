@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from flows import cli
+from flows.node import build_parser, place_of
 from flows.slurm.__main__ import main
 from flows.slurm.node import head_address
 from flows.slurm.script import check_kill_wait
@@ -208,3 +209,40 @@ def test_the_trap_requeues_while_the_step_runs_and_the_script_ends_with_the_step
     assert call.strip() == "requeue 9"
     assert float(at) - started < 3, "the trap waited for the step to end"
     assert time.time() - started >= 4  # and the script waited for the step
+
+
+def test_a_requeued_job_is_a_new_incarnation_that_never_takes_the_last_ones_spec(tmp_path: Path) -> None:
+    """`scontrol requeue` keeps SLURM_JOB_ID: the incarnation's rendezvous id carries SLURM_RESTART_COUNT,
+    so node k of the requeued job waits for its own node 0 instead of joining the dead endpoint in the spec
+    the first incarnation left; and node 0 of the new incarnation removes that spec when it starts."""
+    dataset = write_packed_dataset(
+        tmp_path / "p", pattern_blocks(4, 8, 32, 0), pattern_blocks(2, 8, 32, 1), vocab_size=32
+    )
+    model = model_ref(get_preset("tiny", vocab_size=32, max_position_embeddings=8))
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NODEID": "1", "SLURM_NNODES": "2"}
+    args = build_parser().parse_args(["run.yaml", "--nproc-per-node", "1"])
+    first = place_of(args, slurm).job
+    second = place_of(args, {**slurm, "SLURM_RESTART_COUNT": "1"}).job
+    assert first != second
+    settings = TrainSettings(max_steps=1, nnodes=2, rdzv_endpoint="198.18.0.1:29500", rdzv_id=first)
+    write_worker_spec(
+        WorkerSpec(
+            model_ref=model, dataset_ref=dataset, settings=settings, run_dir=str(tmp_path), progress=False
+        )
+    )
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(wait_for_spec, tmp_path, second)
+        with pytest.raises(TimeoutError):
+            waiting.result(timeout=1.5)
+        announce_head(tmp_path, second)  # node 0 of the requeued job
+        assert not (tmp_path / SPEC_FILE).exists()
+        write_worker_spec(
+            WorkerSpec(
+                model_ref=model,
+                dataset_ref=dataset,
+                settings=settings.model_copy(update={"rdzv_id": second, "rdzv_endpoint": "198.18.0.1:29600"}),
+                run_dir=str(tmp_path),
+                progress=False,
+            )
+        )
+        assert waiting.result(timeout=10).settings.rdzv_endpoint == "198.18.0.1:29600"
