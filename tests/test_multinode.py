@@ -50,6 +50,7 @@ from synthetic import model_ref, pattern_blocks, write_packed_dataset
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainingError, TrainSettings, fit
 from tasks.training.faults import ENV_VAR
+from tasks.training.rendezvous import NODE_ADDR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96
@@ -93,6 +94,23 @@ def test_several_nodes_without_a_way_to_meet_are_refused_before_the_data_stages(
         fit(*_tiny_inputs(tmp_path), TrainSettings(nnodes=2), tmp_path / "run")
 
 
+def test_node_0_on_the_pool_never_publishes_a_guessed_loopback_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that reaches the Prefect API over loopback (a server on its machine, a local proxy) would
+    guess a loopback address, which node 1 on another machine waits for in vain: refused at node 0, naming
+    the variable that fixes it, before anything is published."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv(NODE_ADDR_ENV, raising=False)
+    model, dataset = _tiny_inputs(tmp_path)
+    settings = TrainSettings(nnodes=2)
+    refused = pytest.raises(nodes.NodeError, match=f"a loopback address .* set {NODE_ADDR_ENV} in the worker")
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}), refused:
+        nodes.open_rendezvous(settings, str(tmp_path / "run"), model, dataset, str(uuid.uuid4()))
+    assert not (tmp_path / "run").exists()  # no token written, nothing published
+
+
 # ---------------------------------------------------------------- the pool
 
 
@@ -108,8 +126,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     root = tmp_path_factory.mktemp("multinode")
     with pool_server(root, {"PREFECT_WORKER_QUERY_SECONDS": "1"}) as server:
         deploy_from_checkout(root, server.env, "gpu")
-        # Every node run loses its node at step 3 the first time (a marker in the run directory).
-        worker_env = {**server.env, ENV_VAR: "kill_node_at_step=3"}
+        # Every node run loses its node at step 3 the first time (a marker in the run directory). Both
+        # "machines" are this one: said outright, as a loopback endpoint is refused otherwise.
+        worker_env = {**server.env, ENV_VAR: "kill_node_at_step=3", NODE_ADDR_ENV: "127.0.0.1"}
         logs = []
         workers = []
         for name in ("machine-a", "machine-b"):

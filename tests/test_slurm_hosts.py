@@ -156,6 +156,15 @@ def _cancel_and_resubmit(
         "PREFECT_HOME": str(hosts.local / "prefect"),
     }
     run = hosts.shared / "run"
+    # A stop grace this cluster's KillWait (read with scontrol) cannot hold is refused before sbatch.
+    (work / "long-grace.yaml").write_text(
+        yaml.safe_dump({**_config(hosts, name), "stop_grace_s": KILL_WAIT_S})
+    )
+    long_grace = [*command[:3], "long-grace.yaml", *command[4:]]
+    done = slurm.hosts["head"].run(long_grace, env=env, cwd=work, timeout=300)
+    assert (
+        done.returncode == 2 and f"does not fit in this cluster's KillWait={KILL_WAIT_S} s" in done.stderr
+    ), done.stdout + done.stderr
     started = time.monotonic()
     first = _submit(slurm, command, env, work)  # queued while the Prefect server starts
     server_ready()
@@ -177,10 +186,46 @@ def _cancel_and_resubmit(
     print(f"cancelled {time.monotonic() - started:.0f} s after the first submission")
 
     second = _submit(slurm, command, env, work)
+    requeued_at = _requeue_after_a_checkpoint(slurm, run, second, cancelled_at)
     state = slurm.wait(second, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 600)
     log = _job_log(run, second)
     assert state == "COMPLETED", log
+    # the second incarnation of the same job id was a rendezvous of its own, and resumed
+    assert "Restarts=1" in slurm.client(["scontrol", "-o", "show", "job", second]).stdout.split()
+    assert _resumed_steps(run)[-1] == requeued_at, log
     return run, log, cancelled_at
+
+
+def _requeue_after_a_checkpoint(slurm: Slurm, run: Path, job: str, after: int) -> int:
+    """`scontrol requeue` once the job wrote a checkpoint past `after`: SLURM stops every node (SIGTERM, then
+    SIGKILL after KillWait) and queues the same job id again, with SLURM_RESTART_COUNT=1."""
+    deadline = time.monotonic() + 400
+    while max(_checkpoints(run), default=0) <= after:
+        assert slurm.job_state(job) in {"PENDING", "RUNNING"} and time.monotonic() < deadline, _job_log(
+            run, job
+        )
+        time.sleep(0.5)
+    done = slurm.client(["scontrol", "requeue", job])
+    assert done.returncode == 0, done.stdout + done.stderr
+    deadline = time.monotonic() + 120
+    # PENDING once every process of the first incarnation has ended (it is COMPLETING meanwhile)
+    while not {"Restarts=1", "JobState=PENDING"} <= set(
+        (shown := slurm.client(["scontrol", "-o", "show", "job", job]).stdout).split()
+    ):
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.5)
+    stopped_at = max(_checkpoints(run))
+    summary = load_trainer_state(run / f"step_{stopped_at:06d}")["summary"]
+    assert summary["stopped_early"] == 1.0, (summary, _job_log(run, job))
+    # A requeued job waits for its BeginTime (Slurm sets it a while ahead); the test does not wait for it.
+    slurm.client(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    print(f"requeued at step {stopped_at}")
+    return stopped_at
+
+
+def _resumed_steps(run: Path) -> list[int]:
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [e["event"]["step"] for e in events if "resumed_from" in e.get("event", {})]
 
 
 def _mlflow_uri(hosts: Cluster) -> str:
@@ -188,9 +233,8 @@ def _mlflow_uri(hosts: Cluster) -> str:
 
 
 def _check_outcome(hosts: Cluster, run: Path, log: str, cancelled_at: int, name: str) -> None:
-    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed = [e["event"] for e in events if "resumed_from" in e.get("event", {})]
-    assert resumed and resumed[-1]["step"] == cancelled_at > 0, (resumed, cancelled_at, log)
+    resumed = _resumed_steps(run)
+    assert len(resumed) == 2 and resumed[0] == cancelled_at > 0 and resumed[1] > cancelled_at, (resumed, log)
     # node 1 ran on the other host, with node 0's endpoint
     assert f"node 1: trained to step {STEPS}" in log, log
     client = MlflowClient(_mlflow_uri(hosts))

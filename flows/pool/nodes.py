@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 import urllib.parse
@@ -27,9 +28,10 @@ from typing import Any
 from uuid import UUID
 
 from model.atomic import write_text_atomic
+from tasks.network import is_loopback
 from tasks.refs import DatasetRef, ModelRef
 from tasks.training import TrainSettings
-from tasks.training.rendezvous import ARRIVALS_DIR, free_port_on, node_address
+from tasks.training.rendezvous import ARRIVALS_DIR, NODE_ADDR_ENV, node_address, serve_store
 
 ENDPOINT_LABEL = "llamaflow.rdzv_endpoint"
 POLL_S = 1.0
@@ -72,8 +74,15 @@ def open_rendezvous(
     if endpoint is None:
         api_host = urllib.parse.urlparse(PREFECT_API_URL.value() or "").hostname or "127.0.0.1"
         address = node_address(api_host) or socket.gethostname()
-        host = f"[{address}]" if ":" in address else address
-        endpoint = f"{host}:{free_port_on(address)}"
+        if is_loopback(address) and not os.environ.get(NODE_ADDR_ENV):
+            raise NodeError(
+                f"node 0: its address for the other nodes would be {address}, a loopback address (this worker "
+                f"reaches the Prefect API at {api_host} over loopback), which other machines cannot reach: set "
+                f"{NODE_ADDR_ENV} in the worker's environment to this machine's address on the network the "
+                f"nodes share ({NODE_ADDR_ENV}=127.0.0.1 if every node runs on this machine), or give "
+                "rdzv_endpoint"
+            )
+        endpoint = serve_store(address, 0, settings.rdzv_timeout_s)  # bound now, served until this run ends
     token = {"endpoint": endpoint, "host": socket.gethostname(), **_where(run_dir, model, dataset)}
     write_text_atomic(_token(run_dir, flow_run_id), json.dumps(token))
     with get_client(sync_client=True) as client:

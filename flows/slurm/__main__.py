@@ -13,7 +13,16 @@ from pydantic import ValidationError
 
 from flows import cli
 from flows.pretrain_config import ConfigNote
-from flows.slurm.script import SlurmInputError, SlurmJob, check_job, check_sbatch, render, submit
+from flows.slurm.script import (
+    SlurmInputError,
+    SlurmJob,
+    check_job,
+    check_kill_wait,
+    check_sbatch,
+    kill_wait_s,
+    render,
+    submit,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--submit", action="store_true", help="submit with sbatch instead of printing the script"
     )
+    parser.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="leave out --requeue (a node failure or a preemption then ends the job instead of requeueing it)",
+    )
+    parser.add_argument(
+        "--no-requeue-before-limit",
+        action="store_true",
+        help="leave out --signal=B:USR1@T and its trap (the job then ends at its time limit; resubmit to resume)",
+    )
     return parser
 
 
@@ -54,7 +73,21 @@ def job_of(argv: list[str] | None = None) -> tuple[SlurmJob, bool]:
     run_dir = check_job(config, args.nodes, args.gpus_per_node, config.checkpoint_dir)
     if args.submit:
         check_sbatch()
-    job = SlurmJob(config_path, config, args.nodes, args.gpus_per_node, run_dir, tuple(args.sbatch))
+    too_long = check_kill_wait(config, kill_wait_s())
+    if too_long and args.submit:
+        raise SlurmInputError(too_long)
+    if too_long:
+        print(f"warning: {too_long}", file=sys.stderr)
+    job = SlurmJob(
+        config_path,
+        config,
+        args.nodes,
+        args.gpus_per_node,
+        run_dir,
+        tuple(args.sbatch),
+        requeue=not args.no_requeue,
+        requeue_before_limit=not args.no_requeue_before_limit,
+    )
     return job, args.submit
 
 

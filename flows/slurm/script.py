@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -29,6 +30,14 @@ class SlurmJob:
     gpus_per_node: int
     run_dir: Path  # absolute, on the shared file system
     sbatch_options: tuple[str, ...] = ()
+    requeue: bool = True  # --requeue: a node failure or preemption requeues the job, which resumes
+    requeue_before_limit: bool = True  # --signal=B:USR1@T: near the time limit the job requeues itself
+
+    @property
+    def signal_s(self) -> int:
+        """How long before the time limit the job requeues itself: its stop checkpoint happens within KillWait
+        after the requeue, and SLURM's timer may fire up to a minute late."""
+        return self.config.stop_grace_s + 60
 
     @property
     def nproc_per_node(self) -> int:
@@ -78,6 +87,30 @@ def check_sbatch() -> str:
     return sbatch
 
 
+def kill_wait_s() -> int | None:
+    """The cluster's KillWait (`scontrol show config`): seconds from a stop's SIGTERM to its SIGKILL; None
+    where scontrol is missing or does not say."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return None
+    done = subprocess.run([scontrol, "show", "config"], capture_output=True, text=True)
+    match = re.search(r"^KillWait\s*=\s*(\d+)", done.stdout, re.M)
+    return int(match.group(1)) if match else None
+
+
+def check_kill_wait(config: PretrainConfig, kill_wait: int | None) -> str | None:
+    """Why the stop checkpoint would not fit in KillWait, with the fix; None where it fits or is unknown."""
+    if kill_wait is None or config.stop_grace_s < kill_wait:
+        return None
+    return (
+        f"stop_grace_s={config.stop_grace_s} does not fit in this cluster's KillWait={kill_wait} s (scontrol show "
+        "config): on scancel, a requeue or the time limit SLURM kills every process KillWait seconds after its "
+        "SIGTERM, before the stop checkpoint is written, and the job resumes from the last periodic one. Set "
+        f"stop_grace_s below {kill_wait} in the config (time for a step and a checkpoint write), or ask the "
+        "administrators for a longer KillWait"
+    )
+
+
 def _fs_type(path: Path) -> str | None:
     """The file system type of the mount holding `path` (or its nearest existing parent)."""
     while not path.exists() and path != path.parent:
@@ -111,13 +144,15 @@ def render(job: SlurmJob) -> str:
         *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
         f"--output={job.run_dir}/slurm-%j.out",
         "--open-mode=append",
+        *(["--requeue"] if job.requeue else []),
+        *([f"--signal=B:USR1@{job.signal_s}"] if job.requeue_before_limit else []),
         *job.sbatch_options,
     ]
     node = [
-        sys.executable, "-m", "flows.slurm.node", str(job.config_path),
-        "--nnodes", str(job.nodes), "--nproc-per-node", str(job.nproc_per_node),
-        "--checkpoint-dir", str(job.run_dir),
+        sys.executable, "-m", "flows.node", str(job.config_path),
+        "--nproc-per-node", str(job.nproc_per_node), "--checkpoint-dir", str(job.run_dir),
     ]  # fmt: skip
+    step = f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {shlex.join(node)}"
     lines = [
         "#!/bin/bash",
         f"# llamaflow: {job.config_path} on {job.nodes} node(s); resubmit to resume from the newest checkpoint",
@@ -126,10 +161,25 @@ def render(job: SlurmJob) -> str:
         f"cd {shlex.quote(os.getcwd())}",
         "# Every node runs its part: node 0 the pretrain flow (it hosts the rendezvous), the others wait for it.",
         "# One node failing ends them all. The environment is the submitter's (sbatch's default).",
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {shlex.join(node)}",
+        *(_requeue_step(step) if job.requeue_before_limit else [step]),
         "",
     ]
     return "\n".join(lines)
+
+
+def _requeue_step(step: str) -> list[str]:
+    """The step in the background, so that the USR1 of `--signal` runs the trap at once (bash runs a trap
+    only after the foreground command ends)."""
+    return [
+        "# Near the time limit SLURM sends USR1 here: the job requeues itself. Every node then gets SIGTERM and",
+        "# stops at a checkpoint (within KillWait); the next incarnation resumes from it.",
+        'trap \'echo "llamaflow: the time limit is near: requeueing job $SLURM_JOB_ID"; '
+        'scontrol requeue "$SLURM_JOB_ID"\' USR1',
+        f"{step} &",
+        "step=$!",
+        "# wait returns when a trapped signal arrives: wait again until the step itself has ended",
+        'until wait "$step"; do status=$?; kill -0 "$step" 2>/dev/null || exit "$status"; done',
+    ]
 
 
 def submit(job: SlurmJob, script: str) -> str:

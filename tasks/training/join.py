@@ -35,7 +35,9 @@ def _announcement(run_dir: Path, job: str) -> Path:
 
 
 def announce_head(run_dir: str | Path, job: str) -> None:
-    """Node 0: mark the shared run directory as this job's (before the data stages, which may take long)."""
+    """Node 0: mark the shared run directory as this job's (before the data stages, which may take long). The
+    worker spec a former start left is removed first: only this start's node 0 writes the next one."""
+    (Path(run_dir) / SPEC_FILE).unlink(missing_ok=True)
     path = _announcement(Path(run_dir), job)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}))

@@ -92,7 +92,7 @@ def fit(
                 should_stop=should_stop,
                 budget=budget,
             )
-        with rendezvous.arrival(run_dir, settings):
+        with rendezvous.served_store(settings), rendezvous.arrival(run_dir, settings):
             return _fit_with_torchrun(
                 model_ref,
                 dataset_ref,

@@ -20,6 +20,7 @@ from tasks.home import apply_embedded_defaults
 from tasks.training.distributed import context_from_env, leave_process_group
 from tasks.training.engine import run_process
 from tasks.training.launch import RESULT_FILE, WorkerSpec
+from tasks.training.rendezvous import worker_store
 
 BACKEND_ENV = "LLAMAFLOW_DIST_BACKEND"
 
@@ -44,7 +45,17 @@ def main(spec_path: str) -> None:
     if launched:
         # A peer that stops answering (a lost node) fails the job in minutes, not after torch's 30.
         timeout = timedelta(minutes=settings.process_group_timeout_min)
-        dist.init_process_group(backend=process_group_backend(use_cuda), timeout=timeout)
+        store = worker_store(settings, timeout)
+        if store is None:
+            dist.init_process_group(backend=process_group_backend(use_cuda), timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=process_group_backend(use_cuda),
+                timeout=timeout,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
     try:
         ref = run_process(
             spec.model_ref,

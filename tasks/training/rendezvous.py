@@ -13,13 +13,13 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import re
 import signal
 import socket
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 from tasks.network import is_loopback
@@ -29,7 +29,13 @@ from tasks.training.settings import TrainSettings
 NODE_ADDR_ENV = (
     "LLAMAFLOW_NODE_ADDR"  # this machine's address as the other nodes reach it (overrides the guess)
 )
+# The interface whose address this machine gives (eth0, ib0): one name for every node, so a batch script can
+# export it once (srun copies a batch script's LLAMAFLOW_NODE_ADDR to every node, and every node would claim it).
+NODE_IFACE_ENV = "LLAMAFLOW_NODE_IFACE"
 ARRIVALS_DIR = ".rendezvous"
+# The rendezvous stores this process serves, by port: node 0's launcher binds the port and serves the store
+# for the job's life (torchrun's c10d agents, on every node, connect to it as clients).
+_SERVED: dict[int, object] = {}
 
 
 def uses_torchrun(settings: TrainSettings) -> bool:
@@ -58,9 +64,12 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def node_address(toward: str) -> str | None:
     """This machine's address on the route to host `toward` (what the other nodes, which reach the same
-    place, can reach), or `LLAMAFLOW_NODE_ADDR`; None when no route is found. No packet is sent."""
+    place, can reach), or `LLAMAFLOW_NODE_ADDR`, or the address of interface `LLAMAFLOW_NODE_IFACE`; None when
+    no route is found. No packet is sent."""
     if os.environ.get(NODE_ADDR_ENV):
         return os.environ[NODE_ADDR_ENV]
+    if os.environ.get(NODE_IFACE_ENV):
+        return interface_address(os.environ[NODE_IFACE_ENV])
     try:
         infos = socket.getaddrinfo(toward, 9, type=socket.SOCK_DGRAM)
     except OSError:
@@ -70,6 +79,25 @@ def node_address(toward: str) -> str | None:
             probe.connect(address)  # UDP: picks the route and the source address, sends nothing
             return str(probe.getsockname()[0])
     return None
+
+
+def interface_address(name: str) -> str:
+    """The first address (IPv4 before IPv6) of this machine's interface `name`."""
+    import psutil  # here: only a multi-node launch needs it (the GPU image's check runs without psutil)
+
+    addresses = psutil.net_if_addrs().get(name)
+    found = sorted(
+        (a.family != socket.AF_INET, a.address.split("%")[0])
+        for a in addresses or []
+        if a.family in (socket.AF_INET, socket.AF_INET6)
+    )
+    if not found:
+        known = ", ".join(sorted(psutil.net_if_addrs()))
+        raise TrainingInputError(
+            f"{NODE_IFACE_ENV}={name}: this machine ({socket.gethostname()}) has no interface {name} with an "
+            f"address (it has {known}): name the interface of the network the nodes share"
+        )
+    return found[0][1]
 
 
 def local_address(settings: TrainSettings) -> str | None:
@@ -90,7 +118,9 @@ def local_address(settings: TrainSettings) -> str | None:
             f"a loopback address, while the rendezvous endpoint {settings.rdzv_endpoint} is not: the other "
             f"machines cannot reach it there (a hostname mapped to 127.0.1.1 in /etc/hosts does this). Set "
             f"{NODE_ADDR_ENV} to this machine's address on the network the nodes share (e.g. "
-            f"{NODE_ADDR_ENV}=$(hostname -I | cut -d' ' -f1)), or give rdzv_endpoint as that address"
+            f"{NODE_ADDR_ENV}=$(hostname -I | cut -d' ' -f1), set on that machine), or {NODE_IFACE_ENV} to the "
+            f"interface of that network (e.g. {NODE_IFACE_ENV}=eth0: one name for every node), or give "
+            "rdzv_endpoint as that address"
         )
     return local
 
@@ -125,31 +155,67 @@ def transport_env(settings: TrainSettings, env: dict[str, str]) -> dict[str, str
     return {}
 
 
-def free_port_on(address: str, seed: int | None = None) -> int:
-    """A port free on `address` now, for node 0's rendezvous store. torchrun binds it later (its c10d
-    backend takes no listening socket), so the port is drawn outside the kernel's ephemeral range: the ports
-    it hands to other processes' outgoing connections and bind-to-0 calls in the meantime are never it.
-    Falls back to a kernel-chosen port if no port below the range is free."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    low, _ = _ephemeral_range()
-    rng = random.Random(seed)
-    candidates = rng.sample(range(min(20000, low // 2), low), k=min(64, max(0, low - min(20000, low // 2))))
-    for port in [*candidates, 0]:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((address, port))
-            except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise OSError(f"no free port on {address}")
+def serve_store(address: str, port: int = 0, timeout_s: float = 300) -> str:
+    """Serve the job's rendezvous store from this process on `port` of every interface (0: a port the kernel
+    picks, bound at once), for as long as this process lives or until `stop_serving`; return the endpoint
+    `address:port` the other nodes connect to. The port is bound by the process that serves it, when it is
+    chosen: never drawn first and bound later (torchrun's own c10d host binds only after node 0's data
+    stages, and any process may take the port meanwhile). Serving the port again is a no-op."""
+    from torch.distributed import TCPStore
+
+    if port not in _SERVED:
+        try:
+            store = TCPStore(
+                address, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            )
+        except RuntimeError as err:  # DistNetworkError: EADDRINUSE, EACCES
+            raise TrainingInputError(
+                f"node 0 cannot serve the rendezvous store on port {port} of {socket.gethostname()} ({err}): "
+                "another process holds it; give rdzv_endpoint (or the launcher's port) a free port"
+            ) from err
+        port = store.port
+        _SERVED[port] = store
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{port}"
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def stop_serving(endpoint: str) -> None:
+    _SERVED.pop(split_endpoint(endpoint)[1], None)  # the last reference: the server closes
+
+
+@contextlib.contextmanager
+def served_store(settings: TrainSettings) -> Iterator[None]:
+    """Node 0 of a multi-node job serves the rendezvous store at its endpoint's port while the block runs,
+    unless this process serves it already (a launcher that bound the port when it chose it: SLURM, pool)."""
+    if settings.nnodes == 1 or settings.node_rank != 0 or settings.rdzv_endpoint is None:
+        yield
+        return
+    host, port = split_endpoint(settings.rdzv_endpoint)
+    if port in _SERVED:
+        yield
+        return
+    endpoint = serve_store(host, port, settings.rdzv_timeout_s)
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        yield
+    finally:
+        stop_serving(endpoint)
+
+
+def worker_store(settings: TrainSettings, timeout: timedelta) -> object | None:
+    """Where the workers of a multi-node job meet (a torchrun rank calls it): node 0's rendezvous store,
+    served by its launcher, under a prefix of this rendezvous round; None on one node. Not a store that global
+    rank 0 would bind at MASTER_PORT, a port its agent drew free and let go (any process may take it in the
+    meantime): MASTER_PORT only names the round here, drawn anew each round and the same for all its workers."""
+    if settings.nnodes == 1 or settings.rdzv_endpoint is None:
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+
+    host, port = split_endpoint(settings.rdzv_endpoint)
+    store = TCPStore(host, port, is_master=False, timeout=timeout)
+    env = os.environ
+    return PrefixStore(
+        f"llamaflow/workers/{env.get('TORCHELASTIC_RUN_ID')}/{env['MASTER_ADDR']}:{env['MASTER_PORT']}", store
+    )
 
 
 def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) -> list[str]:
@@ -185,14 +251,14 @@ def torchrun_command(settings: TrainSettings, spec_path: Path, run_dir: Path) ->
 
 
 def rdzv_conf(settings: TrainSettings) -> str:
-    """torchrun's c10d options. Who hosts the store is said, not guessed: torch otherwise compares the
-    endpoint with this machine's hostname and addresses, which on a Debian host (hostname on 127.0.1.1) or a
-    machine with several interfaces leaves the store unhosted, and on one machine makes every node try to
-    host it. A node waits for the store as long as for the rendezvous (torch's `read_timeout`, 60 s by
-    default, not `join_timeout`, bounds the wait for node 0, which may still be preparing its data)."""
-    is_host = "true" if settings.node_rank == 0 else "false"
+    """torchrun's c10d options. No torchrun hosts the store: node 0's launcher serves it (`served_store`),
+    every agent connects to it. Said, not guessed: torch otherwise compares the endpoint with this machine's
+    hostname and addresses, which on a Debian host (hostname on 127.0.1.1) or a machine with several
+    interfaces leaves the store unhosted, and on one machine makes every node try to host it. A node waits
+    for the store as long as for the rendezvous (torch's `read_timeout`, 60 s by default, not
+    `join_timeout`, bounds the wait for node 0, which may still be preparing its data)."""
     timeout = settings.rdzv_timeout_s
-    return f"join_timeout={timeout},read_timeout={timeout},is_host={is_host}"
+    return f"join_timeout={timeout},read_timeout={timeout},is_host=false"
 
 
 def stop_wait_s(settings: TrainSettings) -> float:
