@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from tasks.data.digest_index import forget
 from tasks.data.errors import DataError, not_utf8, unit_hash
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, HashingReader, records, text_documents
@@ -78,6 +79,7 @@ def routed_texts(
             raise not_utf8(file.path, err) from err
         digest, size = raw.finish()
     if digest != file.digest:
+        forget(file.path)  # a stale row of the digest index must not list the old digest again
         raise DataError(
             f"{file.path} changed while this run read it ({size} bytes now, {file.size} when the corpus was "
             "listed): its tokens are not kept. Rerun once whatever writes it has finished."
