@@ -256,7 +256,7 @@ def _table_splits(source: str, settings: DataSettings) -> tuple[CorpusSplit, Cor
 
 # ---------------------------------------------------------------------------------------- mixtures
 
-MIXTURE_RULE = "mixture-v1"
+MIXTURE_RULE = "mixture-v2"  # v2: blocks drawn from across each source (tasks.data.mixture)
 
 
 def _tagged(split: CorpusSplit, source: str) -> CorpusSplit:
@@ -269,7 +269,11 @@ def _mixture(settings: DataSettings) -> Corpus:
     items = settings.sources() or ()
     total = sum(item.weight for item in items)
     corpora = [
-        (item.source, item.weight / total, resolve_corpus(settings.model_copy(update={"data": item.source})))
+        (
+            item.source,
+            item.weight / total,
+            resolve_corpus(settings.model_copy(update={"data": item.source, **item.options()})),
+        )
         for item in items
     ]
     splits = []
