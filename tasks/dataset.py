@@ -15,14 +15,13 @@ non-PAD tokens in `row[1:]`, i.e. `seq_len` per full block (the stats also hold 
 Local files are tokenized once per file content (`tasks.data.tokens`: a corpus that grew re-tokenizes only
 its new files) and packing concatenates the cached streams in corpus order; the dataset's fingerprint is
 still its content's (corpus, tokenizer, layout). In a flow, the files still to tokenize are mapped as
-`tokenize_shard_task` runs over the shards `plan_tokenization` returns (on the flow's task runner: threads,
-Dask, Ray); `build_dataset` alone tokenizes whatever is missing in `num_proc` threads. Hugging Face datasets
+`tokenize_shard_task` runs over the shards `plan_tokenization` returns (on the flow's task runner: threads or
+Dask); `build_dataset` alone tokenizes whatever is missing in `num_proc` threads. Hugging Face datasets
 (`hf:NAME`) go through `datasets.map` (`tasks.data.hf_tokens`).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from tasks.data import packing, token_store
 from tasks.data import tokens as token_cache
 from tasks.data.cache import build_lock, is_complete, prefect_cache_key
 from tasks.data.corpus import Corpus, DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
+from tasks.data.cpus import usable_cpus
 from tasks.data.errors import data_logger
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
 from tasks.data.packing import parts_of, too_few_tokens
@@ -86,7 +86,7 @@ def _validate_inputs(tokenizer: TokenizerRef, seq_len: int, num_proc: int | None
             f"Tokenizer file {tokenizer.path} is missing (cache cleared?); run train_tokenizer again."
         )
     if num_proc is None:
-        return max(1, min(2, os.cpu_count() or 1))
+        return min(2, usable_cpus())
     if num_proc < 1:
         raise DataError(f"num_proc={num_proc} must be at least 1 (or None for min(2, CPU count)).")
     return num_proc

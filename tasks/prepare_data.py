@@ -9,7 +9,6 @@ must see the corpus files and LLAMAFLOW_HOME at the same paths (a shared file sy
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,25 @@ from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from model import LlamaConfig
+from tasks import home
+from tasks.data import cache_budget
+from tasks.data.cache import build_lock
+from tasks.data.corpus import resolve_corpus
 from tasks.data.counts import ShardReport
+from tasks.data.cpus import usable_cpus
 from tasks.data.errors import DataError, data_logger
 from tasks.data.progress import Progress
 from tasks.data.settings import DataSettings
 from tasks.data.split import MANIFEST_NAME
-from tasks.data.tokens import TokenShard
-from tasks.dataset import build_dataset_task, plan_tokenization_task, tokenize_shard_task
+from tasks.data.token_store import tokens_dir
+from tasks.data.tokens import TokenShard, lost_parts
+from tasks.dataset import (
+    build_dataset_task,
+    dataset_fingerprint,
+    datasets_dir,
+    plan_tokenization_task,
+    tokenize_shard_task,
+)
 from tasks.init_from import InitFromError
 from tasks.init_from.vocab import check_extends, embedding_rows
 from tasks.refs import DatasetRef, ParentRef, TokenizerRef
@@ -102,7 +113,7 @@ def tokenize_shards(shards: list[TokenShard], data: DataSettings) -> list[ShardR
     if data.task_runner == "threads":
         # A runner of its own: the flow's default starts a thread per shard at once (no bound), a tokenizer
         # and its buffers in each (5.4 GiB peak at 1 GB of JSONL); one per core is as fast.
-        with ThreadPoolTaskRunner(max_workers=os.cpu_count() or 1) as runner:
+        with ThreadPoolTaskRunner(max_workers=usable_cpus()) as runner:
             return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
     with _dask_runner(data) as runner:
         return _await(runner.map(tokenize_shard_task, parameters={"shard": shards}), shards)
@@ -118,10 +129,42 @@ def _await(futures: PrefectFutureList[ShardReport], shards: list[TokenShard]) ->
 
 
 def build_data(data: DataSettings, tokenizer: TokenizerRef, seq_len: int, *, seed: int) -> DatasetRef:
-    """Tokenize what is not cached as mapped shard runs, then pack (cached by content fingerprint)."""
-    shards = plan_tokenization_task(data, tokenizer, seq_len)
-    tokenize_shards(shards, data)
-    return build_dataset_task(data, tokenizer, seq_len, seed=seed)
+    """Tokenize what is not cached as mapped shard runs, then pack (cached by content fingerprint). The
+    dataset's build lock is held throughout: a second run building the same dataset waits, then finds it
+    built and tokenizes nothing."""
+    fingerprint = dataset_fingerprint(resolve_corpus(data), tokenizer, seq_len, False, False)
+    with build_lock(datasets_dir() / fingerprint):
+        shards = plan_tokenization_task(data, tokenizer, seq_len)
+        tokenize_shards(shards, data)
+        if lost := lost_parts(shards):
+            raise DataError(
+                f"{len(lost)} file parts (of {lost[0].path}, ...) that the {data.task_runner} map tokenized are "
+                f"not in this process's token cache {tokens_dir()}: the workers' output was lost or written "
+                f"elsewhere. Workers must share LLAMAFLOW_HOME={home.home()} (the same path, on a shared file "
+                "system)."
+            )
+        built = build_dataset_task(data, tokenizer, seq_len, seed=seed)
+    if data.cache_max_size is not None:
+        keep_within_budget(data.cache_max_size, built, tokenizer)
+    return built
+
+
+def keep_within_budget(max_size: str, dataset: DatasetRef, tokenizer: TokenizerRef) -> None:
+    """Prune the data caches down to `max_size`, least recently used first, keeping this run's dataset and
+    tokenizer; skipped (not waited for) while other runs build."""
+    keep = frozenset({Path(dataset.path), Path(tokenizer.path).parent})
+    result = cache_budget.prune(max_bytes=cache_budget.parse_size(max_size), keep=keep, wait=False)
+    if result is None:
+        data_logger().info(
+            "cache_max_size: other runs are building datasets; the caches are pruned next time"
+        )
+        return
+    removed, freed = result
+    if removed:
+        kinds = sorted({item.kind for item in removed})
+        data_logger().info(
+            f"cache_max_size={max_size}: removed {len(removed)} {'/'.join(kinds)} items ({freed:,} bytes)"
+        )
 
 
 def parent_split(data: DataSettings, parent: ParentRef | None, run_dir: str) -> DataSettings:

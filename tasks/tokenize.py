@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data.cache import build_lock, is_complete, prefect_cache_key
+from tasks.data.cache import build_lock, is_complete, prefect_cache_key, touch
 from tasks.data.corpus import (
     CorpusSplit,
     DataError,
@@ -77,6 +77,7 @@ def file_sha256(path: str | Path) -> str:
 
 def load_tokenizer_ref(directory: Path) -> TokenizerRef:
     meta = json.loads((directory / "meta.json").read_text())
+    touch(directory)  # taken by a run: its last use
     path = directory / "tokenizer.json"
     ref = {"sha256": None, **meta["ref"]}
     if ref["sha256"] is None:  # written before the hash was recorded

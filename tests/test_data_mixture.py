@@ -5,6 +5,7 @@ weights (the MLflow run's record of each source: tests/test_tracking.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from stdlib_corpus import MODULES, STDLIB, copy_modules
-from tasks.data.corpus import DataError, resolve_corpus
+from tasks.data import packing
+from tasks.data.corpus import DataError, DataWarning, resolve_corpus
 from tasks.data.settings import DataSettings
 from tasks.dataset import build_dataset
 from tasks.refs import DatasetRef, TokenizerRef
@@ -66,9 +68,12 @@ def test_mixture_draws_blocks_by_weight_and_validates_on_every_source(
     drawn = [sum(row.tobytes() in rows for row in train) for rows in own]
     assert sum(drawn) == len(train) == sum(a.train_blocks for a in alone)  # every block from one source
     assert drawn[0] / len(train) == pytest.approx(0.8, abs=0.05)
-    # the lighter source's blocks in its own order; the heavier source, short of blocks, starts over
-    from_prose = [row.tobytes() for row in train if row.tobytes() in own[1]]
-    assert from_prose == [row.tobytes() for row in _blocks(alone[1], "train")[: len(from_prose)]]
+    # the lighter source's blocks drawn from across all of it, each once, not its first ones; the heavier
+    # source, short of blocks, starts over: its epochs are recorded
+    position = {row.tobytes(): i for i, row in enumerate(_blocks(alone[1], "train"))}
+    from_prose = [position[row.tobytes()] for row in train if row.tobytes() in own[1]]
+    assert len(set(from_prose)) == len(from_prose) < alone[1].train_blocks
+    assert max(from_prose) >= len(from_prose) + 2 and min(from_prose) < alone[1].train_blocks // 2
     # validation: each source's own held-out blocks, all of them, in the order the sources are listed
     np.testing.assert_array_equal(_blocks(ref, "val"), np.concatenate([_blocks(a, "val") for a in alone]))
     meta = json.loads((Path(ref.path) / "meta.json").read_text())
@@ -77,6 +82,15 @@ def test_mixture_draws_blocks_by_weight_and_validates_on_every_source(
         (sources[1], 0.2, drawn[1]),
     ]
     assert [m["stream_tokens"] for m in meta["mixture"]] == [a.stats["train_stream_tokens"] for a in alone]
+    epochs = [m["epochs"] for m in meta["mixture"]]
+    assert (
+        epochs == [round(d / a.train_blocks, 3) for d, a in zip(drawn, alone, strict=True)] and epochs[0] > 1
+    )
+    monkeypatch.setattr(
+        packing, "REPEAT_WARNING", 1.0
+    )  # the heavier source repeats: warned (at 10 by default)
+    with pytest.warns(DataWarning, match=rf"source {re.escape(repr(sources[0]))} is repeated \d+\.\d times"):
+        build_dataset(mixture, tokenizer, SEQ_LEN - 1, num_proc=2)
     # deterministic: the same mixture built again in another home is the same array
     monkeypatch.setenv("LLAMAFLOW_HOME", str(tmp_path / "home2"))
     shutil.copytree(Path(tokenizer.path).parent, tmp_path / "tok")
@@ -127,3 +141,23 @@ def test_a_mixture_holds_out_its_own_validation_text(sources: tuple[str, str]) -
         resolve_corpus(_mixture(sources, (1, 1)), val_data=sources[0])
     with pytest.raises(DataError, match="not JSON"):
         resolve_corpus("[{source: x}")
+
+
+def test_each_source_may_set_its_own_text_field_and_val_fraction(
+    tmp_path: Path, sources: tuple[str, str]
+) -> None:
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text(Path(sources[1]).read_text().replace('"text"', '"body"'))
+    items = [{"source": sources[0], "weight": 1}, {"source": str(bodies), "weight": 1}]
+    with pytest.raises(DataError, match=r"has no field 'text'"):
+        resolve_corpus(items)
+    items[1] |= {"text_field": "body", "val_fraction": 0.5}
+    mixed = resolve_corpus(items, val_fraction=0.2)
+    alone = [
+        resolve_corpus(sources[0], val_fraction=0.2),
+        resolve_corpus(str(bodies), text_field="body", val_fraction=0.5),
+    ]
+    assert [leaf.fingerprint for leaf in mixed.val.leaves()] == [a.val.fingerprint for a in alone]
+    assert list(mixed.val.leaves()[1].texts()) == list(alone[1].val.texts())
+    with pytest.raises(DataError, match=r"val_fraction"):
+        resolve_corpus([items[0], {**items[1], "val_fraction": 1.5}])

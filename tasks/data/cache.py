@@ -12,7 +12,10 @@ home is dropped and the task runs again.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +25,26 @@ from tasks import home
 from tasks.data.errors import data_logger
 
 COMPLETE_MARKER = "meta.json"
+_HELD = threading.local()  # the lock files this thread holds
 
 
 def is_complete(final: Path) -> bool:
     return (final / COMPLETE_MARKER).is_file()
+
+
+def lock_path(final: Path) -> Path:
+    """The lock file of cache slot `final` (under `<home>/cache/locks`)."""
+    locks = home.cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{final.parent.name}-{final.name}.lock"
+
+
+def touch(final: Path) -> None:
+    """Mark a complete slot used now (`tasks.data.cache_budget` prunes the least recently used first)."""
+    with contextlib.suppress(
+        OSError
+    ):  # removed meanwhile, or a read-only cache: only the pruning order moves
+        os.utime(final / COMPLETE_MARKER)
 
 
 @contextmanager
@@ -35,10 +54,14 @@ def build_lock(final: Path) -> Iterator[None]:
     The lock file lives under `<home>/cache/locks`, not beside the slot, so cache directories hold only
     published entries. `flock` is released by the kernel when a holder dies, so a crash never leaves it held.
     """
-    locks = home.cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{final.parent.name}-{final.name}.lock", "a+b") as handle:
+    lock = lock_path(final)
+    held = _HELD.__dict__.setdefault("locks", set())
+    if lock in held:  # this thread holds it already (the flow's build_data around build_dataset)
+        yield
+        return
+    with open(lock, "a+b") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
+        held.add(lock)
         try:
             removed = remove_stale(final.parent, final.name)  # no live builder of this slot exists now
             if removed:
@@ -47,6 +70,7 @@ def build_lock(final: Path) -> Iterator[None]:
                 )
             yield
         finally:
+            held.discard(lock)
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -61,6 +85,8 @@ def prefect_cache_key(task_name: str, fingerprint: str, output: Path) -> str:
     key = f"{task_name}-{fingerprint}"
     if not is_complete(output):
         _forget_record(key)
+    else:
+        touch(output)  # a cache hit is a use
     return key
 
 

@@ -215,7 +215,7 @@ def _table_splits(source: str, settings: DataSettings) -> tuple[CorpusSplit, Cor
 
 # ---------------------------------------------------------------------------------------- mixtures
 
-MIXTURE_RULE = "mixture-v1"
+MIXTURE_RULE = "mixture-v2"  # v2: blocks drawn from across each source (tasks.data.mixture)
 
 
 def _tagged(split: CorpusSplit, source: str) -> CorpusSplit:
@@ -231,7 +231,7 @@ def _mixture(settings: DataSettings, parent: SplitManifest | None) -> Corpus:
         (
             item.source,
             item.weight / total,
-            _resolve(settings.model_copy(update={"data": item.source}), parent),
+            _resolve(settings.model_copy(update={"data": item.source, **item.options()}), parent),
         )
         for item in items
     ]

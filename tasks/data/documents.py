@@ -17,6 +17,7 @@ import io
 from collections.abc import Iterator, Sequence
 
 from tasks.data.chunking import segments
+from tasks.data.digest_index import forget
 from tasks.data.errors import DataError, not_utf8, unit_hash
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.filters import DocFilter
@@ -97,6 +98,7 @@ def routed_texts(
             raise not_utf8(file.path, err) from err
         digest, size = raw.finish()
     if digest != file.digest:
+        forget(file.path)  # a stale row of the digest index must not list the old digest again
         raise DataError(
             f"{file.path} changed while this run read it ({size} bytes now, {file.size} when the corpus was "
             "listed): its tokens are not kept. Rerun once whatever writes it has finished."

@@ -11,14 +11,16 @@ against the digest the corpus was listed with (`tasks.data.documents`).
 
 from __future__ import annotations
 
+import codecs as text_codecs
 import gzip
 import hashlib
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
-from tasks.data.errors import DataError
+from tasks.data.errors import DataError, not_utf8
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SEGMENTED_SUFFIXES = (".txt", ".md")  # prose; code files are documents whole
@@ -48,29 +50,92 @@ def is_known(name: str) -> bool:
 
 
 class HashingReader(io.RawIOBase):
-    """A raw reader that feeds every byte it passes on into a blake2b digest."""
+    """A raw reader that feeds the file's bytes, in file order, into a blake2b digest as they are read.
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    Sequential reads hash what they pass on. A reader that seeks (Parquet: the footer first, then row groups,
+    skipping unselected columns) is hashed in order too: the bytes it skips before a later read are read and
+    hashed then (each byte once, in 1 MiB chunks), except reads in the footer (`tail`), which `finish` hashes."""
+
+    def __init__(self, raw: IO[bytes], tail: int | None = None) -> None:
         self._raw = raw
         self._hash = hashlib.blake2b(digest_size=16)
-        self.size = 0
+        self._pos = 0
+        self.tail = tail  # reads at or after this offset (a footer) are not hashed in order
+        self.size = 0  # bytes hashed so far: every byte before this offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = self._raw.seek(offset, whence)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _hash_upto(self, end: int) -> None:
+        """Read and hash the skipped bytes [size, end), then return to where the reader was."""
+        self._raw.seek(self.size)
+        while self.size < end and (chunk := self._raw.read(min(1 << 20, end - self.size))):
+            self._hash.update(chunk)
+            self.size += len(chunk)
+        self._raw.seek(self._pos)
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._pos
+        if self.size < start and (self.tail is None or start < self.tail):
+            self._hash_upto(start)
+        count = self._raw.readinto(buffer) or 0
+        self._pos += count
+        if start <= self.size < self._pos:
+            self._hash.update(memoryview(buffer)[self.size - start : count])
+            self.size = self._pos
+        return count
+
+    def finish(self) -> tuple[str, int]:
+        """Hash what is left unread (a reader may stop before the end), then (digest, size)."""
+        self._raw.seek(self.size)
+        while chunk := self._raw.read(1 << 20):
+            self._hash.update(chunk)
+            self.size += len(chunk)
+        return self._hash.hexdigest(), self.size
+
+
+class _ZstdReader(io.RawIOBase):
+    """The frames of a .zst stream one after another, and an error when the last one is cut short (zstandard's
+    `stream_reader` ends quietly there: a truncated download would pass as a shorter file)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        import zstandard
+
+        self._raw, self._context, self._error = raw, zstandard.ZstdDecompressor(), zstandard.ZstdError
+        self._frame = self._context.decompressobj()
+        self._pending = b""
+        self._started = False  # the current frame has had input
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        count = self._raw.readinto(buffer)
-        if count:
-            self._hash.update(memoryview(buffer)[:count])
-            self.size += count
-        return count or 0
-
-    def finish(self) -> tuple[str, int]:
-        """Hash what is left unread (a reader may stop before the end), then (digest, size)."""
-        while chunk := self._raw.read(1 << 20):
-            self._hash.update(chunk)
-            self.size += len(chunk)
-        return self._hash.hexdigest(), self.size
+        while not self._pending:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._started and not self._frame.eof:
+                    raise self._error("the stream ends inside a frame: the file is truncated")
+                return 0
+            while chunk:
+                if self._frame.eof:
+                    self._frame, self._started = self._context.decompressobj(), False
+                self._started = True
+                self._pending += self._frame.decompress(chunk)
+                chunk = self._frame.unused_data if self._frame.eof else b""
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
 
 
 def _decompressed(raw: HashingReader, codec: str) -> IO[bytes]:
@@ -78,10 +143,10 @@ def _decompressed(raw: HashingReader, codec: str) -> IO[bytes]:
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
     if codec == ".zst":
         try:
-            import zstandard
+            import zstandard  # noqa: F401
         except ImportError as err:
             raise DataError("Reading .zst needs the zstandard package: pip install zstandard") from err
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[return-value]
+        return io.BufferedReader(_ZstdReader(raw), buffer_size=1 << 20)
     return io.BufferedReader(raw, buffer_size=1 << 20)  # type: ignore[arg-type]
 
 
@@ -110,44 +175,155 @@ def text_documents(raw: HashingReader, kind: str) -> Iterator[str]:
 def records(
     raw: HashingReader, path: str, kind: str, codec: str, columns: list[str] | None = None
 ) -> Iterator[dict[str, Any]]:
-    """A record file's records (only `columns` of a Parquet file, when given)."""
+    """A record file's records (only `columns` of a Parquet file, when given); DataError for a bad file."""
     if kind == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        # Parquet is read from its footer first: the bytes are read (and hashed) whole, then parsed.
-        table = pq.ParquetFile(pa.BufferReader(raw.read()))
-        for batch in table.iter_batches(batch_size=1024, columns=columns):
-            yield from batch.to_pylist()
+        yield from _parquet_records(raw, path, columns)
         return
     handle = _text(raw, codec)
     if kind == ".json":
-        loaded = json.load(handle)
-        for record in loaded if isinstance(loaded, list) else [loaded]:
-            if not isinstance(record, dict):
-                raise DataError(f"{path} must hold a JSON object or a list of objects.")
-            yield record
+        yield from _json_records(_parse_json(handle, path), path)
         return
-    for number, line in enumerate(handle, start=1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{path}:{number} is not valid JSON ({err.msg}); fix or remove that line."
-                ) from err
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number} is not a JSON object; each line must be one.")
-            yield record
+    try:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield _jsonl_record(line, path, number)
+    except (EOFError, OSError, _zstd_error()) as err:  # a truncated or corrupt .gz / .zst
+        raise bad_file(path, err) from err
 
 
-def record_fields(path: str) -> list[str] | None:
-    """The fields of a record file's first record (a Parquet file's columns); None when it has none."""
+def _parquet_records(raw: HashingReader, path: str, columns: list[str] | None) -> Iterator[dict[str, Any]]:
+    """Row group by row group from the file handle (never the whole file in memory), hashed in file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        end = raw.seek(0, io.SEEK_END)
+        raw.tail = max(end - 8, 0)
+        raw.seek(raw.tail)
+        tail = raw.read(8)
+        if len(tail) < 8 or tail[4:] != b"PAR1":
+            raise pa.ArrowInvalid("no Parquet footer at the end of the file")
+        # The footer, and the 64 KiB pyarrow reads speculatively to find it, are hashed in order later.
+        raw.tail = max(0, min(end - 8 - int.from_bytes(tail[:4], "little"), end - (1 << 16)))
+        raw.seek(0)
+        table = pq.ParquetFile(raw)
+        for batch in table.iter_batches(batch_size=1024, columns=columns):
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        raise bad_file(path, err) from err
+
+
+def _parse_json(handle: IO[str], path: str) -> Any:
+    try:
+        return json.load(handle)
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); fix the file, "
+            "or remove it from the corpus."
+        ) from err
+
+
+def _json_records(loaded: Any, path: str) -> Iterator[dict[str, Any]]:
+    for record in loaded if isinstance(loaded, list) else [loaded]:
+        if not isinstance(record, dict):
+            raise DataError(f"{path} must hold a JSON object or a list of objects.")
+        yield record
+
+
+def _jsonl_record(line: str, path: str, number: int) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number} is not valid JSON ({err.msg}); fix or remove that line.") from err
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{number} is not a JSON object; each line must be one.")
+    return record
+
+
+def _zstd_error() -> type[Exception]:
+    try:
+        import zstandard
+    except ImportError:
+        return DataError  # nothing is raised by a codec that cannot be read
+    return zstandard.ZstdError
+
+
+def bad_file(path: str, err: BaseException) -> DataError:
+    """The error for a file its format's reader cannot read (truncated, corrupt, not of its format)."""
     kind, codec = split_suffix(path)
-    if kind == ".parquet":
-        import pyarrow.parquet as pq
+    what = f"{kind}{codec} ({'truncated or corrupt' if codec else 'corrupt or not ' + kind[1:]})"
+    return DataError(
+        f"{path} is not a readable {what}: {type(err).__name__}: {err}. Download or write it again, or remove "
+        "it from the corpus."
+    )
 
-        return pq.read_schema(path).names
+
+@dataclass(frozen=True)
+class Scan:
+    """What listing a file learns from one read of it: the digest and size of its bytes, and a record file's
+    fields (None: a text file, or a record file without records)."""
+
+    digest: str
+    size: int
+    fields: list[str] | None = None
+
+
+def scan(path: str) -> Scan:
+    """Read a file once: hash it and check it can be read whole (a truncated .gz/.zst, a corrupt Parquet or
+    an invalid .json is a DataError now, before any tokenizing). Plain text that is not UTF-8 raises
+    UnicodeDecodeError (the caller skips the file); inside a compressed file, DataError."""
+    kind, codec = split_suffix(path)
     with open(path, "rb") as handle:
-        first = next(records(HashingReader(handle), path, kind, codec), None)  # type: ignore[arg-type]
-    return None if first is None else list(first)
+        raw = HashingReader(handle)
+        fields = None
+        if kind == ".parquet":
+            fields = _parquet_fields(path)
+        elif kind == ".json":
+            first = next(_json_records(_parse_json(_text(raw), path), path), None)
+            fields = None if first is None else list(first)
+        elif codec or kind == ".jsonl":
+            fields = _check_jsonl(raw, path, codec)
+        else:
+            _check_utf8(raw)
+        digest, size = raw.finish()
+    return Scan(digest, size, fields)
+
+
+def _parquet_fields(path: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).schema_arrow.names
+    except (pa.ArrowException, OSError) as err:
+        raise bad_file(path, err) from err
+
+
+def _check_jsonl(raw: HashingReader, path: str, codec: str) -> list[str] | None:
+    """The first record's fields, after decoding the whole file (its compression and UTF-8: not its JSON,
+    whose bad lines are named, with their numbers, when it is tokenized)."""
+    handle = _text(raw, codec)
+    try:
+        first = next((line for line in handle if line.strip()), None)
+        while handle.read(1 << 20):
+            pass
+    except UnicodeDecodeError as err:
+        if not codec:
+            raise
+        raise not_utf8(path, err) from err
+    except (EOFError, OSError, _zstd_error()) as err:
+        raise bad_file(path, err) from err
+    return None if first is None else list(_jsonl_record(first, path, 1))
+
+
+def _check_utf8(raw: HashingReader) -> None:
+    decoder = text_codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    while chunk := raw.read(1 << 20):
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as err:
+            err.start += offset
+            raise
+        offset += len(chunk)
+    decoder.decode(b"", final=True)

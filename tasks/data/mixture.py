@@ -2,9 +2,10 @@
 
 Training: the mixture has as many blocks as its sources together; each block's source is drawn with
 probability = its weight (a generator seeded by the mixture's fingerprint, so the same sources and weights
-always give the same sequence), and a source hands out its own blocks in order, starting again from its
-first when it runs out (a source weighted above its share of the text is repeated, one below it is
-subsampled). Validation: every source's own held-out blocks, each once, in the order the sources are
+always give the same sequence), and a source hands out its own blocks in a seeded permutation of all of them,
+starting that order again when it runs out (a source weighted above its share of the text is repeated: its
+epochs are recorded and logged, with a warning beyond `REPEAT_WARNING`; one below its share gives blocks drawn
+from across all its text, not a prefix). Validation: every source's own held-out blocks, each once, in the order the sources are
 listed (not weighted: every held-out document is scored).
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+REPEAT_WARNING = 10.0  # epochs of one source in one epoch of the mixture beyond which a run is warned
 _CHUNK_ROWS = 1 << 15  # blocks copied at a time: bounded memory whatever the corpus size
 
 
@@ -29,6 +31,13 @@ def source_choices(blocks: int, weights: Sequence[float], seed: int) -> np.ndarr
     return rng.choice(len(p), size=blocks, p=p / p.sum()).astype(np.int32)
 
 
+def source_orders(lengths: Sequence[int], seed: int) -> list[np.ndarray]:
+    """For each source the order its blocks are handed out in: a permutation (seeded by the mixture), so a
+    source weighted below its share gives blocks from across all of it, not its first files."""
+    rng = np.random.Generator(np.random.PCG64(seed + 1))
+    return [rng.permutation(length) for length in lengths]
+
+
 def mix_blocks(
     sources: Sequence[np.ndarray], weights: Sequence[float], out_path: Path, seed: int
 ) -> list[int]:
@@ -39,13 +48,14 @@ def mix_blocks(
     choices = source_choices(total, weights, seed)
     out = np.lib.format.open_memmap(out_path, mode="w+", dtype=dtype, shape=(total, width))
     taken = [0] * len(sources)
+    orders = source_orders([len(source) for source in sources], seed)
     for start in range(0, total, _CHUNK_ROWS):
         chunk = choices[start : start + _CHUNK_ROWS]
         for index, source in enumerate(sources):
             rows = np.flatnonzero(chunk == index)
             if rows.size == 0:
                 continue
-            order = (taken[index] + np.arange(rows.size)) % len(source)
+            order = orders[index][(taken[index] + np.arange(rows.size)) % len(source)]
             out[start + rows] = source[order]
             taken[index] += rows.size
     out.flush()

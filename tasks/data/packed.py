@@ -10,11 +10,13 @@ rows do not overlap), `meta.json` (sizes, special token ids, counts, fingerprint
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tasks.data.cache import touch
 from tasks.refs import DatasetRef
 
 FORMAT_VERSION = "packed-v2"  # v2: train_tokens counts targets
@@ -32,11 +34,21 @@ def write_split(path: Path, stream: np.ndarray, *, n_blocks: int, seq_len: int, 
     out = np.lib.format.open_memmap(path, mode="w+", dtype=stream.dtype, shape=(n_blocks, seq_len + 1))
     flat = out.reshape(-1)
     kept = min(len(stream), flat.size)
-    for start in range(0, kept, _COPY_CHUNK):
-        stop = min(start + _COPY_CHUNK, kept)
-        flat[start:stop] = stream[start:stop]
+    copy_chunked(flat[:kept], stream[:kept])
     flat[kept:] = pad_id
     out.flush()
+
+
+def copy_chunked(
+    target: np.ndarray, source: np.ndarray, on_chunk: Callable[[int], object] | None = None
+) -> None:
+    """Copy the 1-D `source` (a memmap) into `target` of its length `_COPY_CHUNK` tokens at a time, so memory
+    holds one chunk whatever the size; `on_chunk(tokens)` after each (progress)."""
+    for start in range(0, len(source), _COPY_CHUNK):
+        stop = min(start + _COPY_CHUNK, len(source))
+        target[start:stop] = source[start:stop]
+        if on_chunk is not None:
+            on_chunk(stop - start)
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
@@ -54,6 +66,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
 
 def load_dataset_ref(directory: Path) -> DatasetRef:
     meta = read_meta(directory)
+    touch(directory)  # taken by a run: its last use
     fields = ("seq_len", "vocab_size", "train_blocks", "val_blocks", "train_tokens", "val_tokens")
     return DatasetRef(
         path=str(directory),

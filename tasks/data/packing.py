@@ -5,6 +5,7 @@ one by one and mixed by weight (`tasks.data.mixture`). `tasks.dataset` decides w
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ import numpy as np
 
 from tasks.data.corpus import Corpus, CorpusSplit, DataError
 from tasks.data.counts import TokenCounts
+from tasks.data.errors import DataWarning, data_logger
 from tasks.data.hf_tokens import pack_stream, token_chunks, write_tokens
-from tasks.data.mixture import concat_blocks, mix_blocks, mixture_seed
+from tasks.data.mixture import REPEAT_WARNING, concat_blocks, mix_blocks, mixture_seed
 from tasks.data.packed import FORMAT_VERSION
 from tasks.data.tokens import PartSpec, pack_parts, part_key, tokenize_missing
 from tasks.refs import TokenizerRef
@@ -157,6 +159,16 @@ def _pack_mixture(staging: Path, split: CorpusSplit, short: str, corpus: Corpus,
         *(sum(getattr(leaf, name) for leaf in leaves) for name in ("documents", "bytes")),
     )
     for (source, weight, part), leaf, blocks in zip(split.components, leaves, taken, strict=True):
+        epochs = round(
+            blocks / leaf.blocks, 3
+        )  # how often the source's own blocks are seen per mixture epoch
+        if short == "train" and epochs > REPEAT_WARNING:
+            message = (
+                f"the mixture's source {source!r} is repeated {epochs:.1f} times per epoch (weight {weight:.3g}, "
+                f"{leaf.blocks} blocks of its own): it may be memorized; give it more text or a smaller weight"
+            )
+            data_logger().warning(message)
+            warnings.warn(message, DataWarning, stacklevel=2)
         packed.sources.append(
             {
                 "source": source,
@@ -164,6 +176,7 @@ def _pack_mixture(staging: Path, split: CorpusSplit, short: str, corpus: Corpus,
                 "fingerprint": part.fingerprint,
                 "stream_tokens": leaf.stream_tokens,
                 "blocks": blocks,
+                "epochs": epochs,
             }
         )
     return packed

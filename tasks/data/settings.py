@@ -14,12 +14,23 @@ from tasks.data.sources import check_source, kind_of
 
 
 class MixtureSource(BaseModel):
-    """One source of a mixture and its weight (weights are relative: 0.7/0.3 and 7/3 are one mixture)."""
+    """One source of a mixture and its weight (weights are relative: 0.7/0.3 and 7/3 are one mixture), with
+    the options it may set for itself (`text_field`, `hf_split`, `val_fraction`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str
     weight: float
+    # This source's own options (None: the run's): each source is resolved and split on its own.
+    text_field: str | None = None
+    hf_split: str | None = None
+    val_fraction: float | None = Field(None, gt=0.0, lt=1.0)
+
+    def options(self) -> dict[str, Any]:
+        """The options this source sets for itself."""
+        return {
+            k: v for k in ("text_field", "hf_split", "val_fraction") if (v := getattr(self, k)) is not None
+        }
 
     @model_validator(mode="after")
     def _check(self) -> Any:
@@ -94,6 +105,24 @@ class DataSettings(BaseModel):
         False,
         description="Stream a Hugging Face dataset instead of caching it as Arrow (corpora beyond disk)",
     )
+    # The data caches' budget (tasks.data.cache_budget).
+    cache_max_size: str | None = Field(
+        None,
+        description="After the data stage, prune the least recently used token entries, packed datasets, "
+        "tokenizers and datasets-cache items down to this size (e.g. 50G); never what a live run holds",
+    )
+
+    @field_validator("cache_max_size")
+    @classmethod
+    def _check_cache_max_size(cls, value: str | None) -> str | None:
+        if value is not None:
+            from tasks.data.cache_budget import parse_size
+
+            try:
+                parse_size(value)
+            except ValueError as err:
+                raise DataError(f"cache_max_size: {err}") from None
+        return value
 
     # -- the split's record and the documents' filters (tasks.data.split, tasks.data.filters) --
     split_from: str | None = Field(

@@ -1,5 +1,5 @@
-"""The token cache on disk (`<home>/cache/tokens`, written by `tasks.data.tokens`): what it holds, and
-pruning it by last use or total size so it cannot fill the disk.
+"""The token cache on disk (`<home>/cache/tokens`, written by `tasks.data.tokens`): what it holds, and its
+lock (pruning it, with the other caches, is `tasks.data.cache_budget`).
 
 An entry is `<key>.bin` (tokens) and `<key>.json` (counts, written last); the `.json`'s modification time is
 the entry's last use (every lookup touches it). Builds hold the cache's lock shared while they look entries
@@ -31,6 +31,8 @@ class Entry:
     key: str
     bytes: int
     last_used: float  # seconds since the epoch
+    data: str = ""  # the `.bin` and `.json` files
+    meta: str = ""
 
 
 def _lock_path() -> Path:
@@ -51,17 +53,21 @@ def in_use() -> Iterator[None]:
 
 
 @contextmanager
-def exclusive(on_wait: object = None) -> Iterator[None]:
-    """Hold the token cache alone; `on_wait()` is called once when builds hold it and this waits."""
+def exclusive(on_wait: object = None, *, wait: bool = True) -> Iterator[bool]:
+    """Hold the token cache alone; `on_wait()` is called once when builds hold it and this waits. With
+    `wait=False` it does not wait: the block gets False (not held) instead."""
     with open(_lock_path(), "a+b") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not wait:
+                yield False
+                return
             if callable(on_wait):
                 on_wait()
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -77,8 +83,26 @@ def entries(root: Path | None = None) -> list[Entry]:
             size = stat.st_size + data.stat().st_size
         except FileNotFoundError:
             continue
-        found.append(Entry(meta.stem, size, stat.st_mtime))
+        found.append(Entry(meta.stem, size, stat.st_mtime, str(data), str(meta)))
     return sorted(found, key=lambda e: (e.last_used, e.key))
+
+
+def orphans(root: Path | None = None) -> list[Path]:
+    """Halves of entries: a `.json` without its `.bin` (the tokens were deleted) or a `.bin` without its
+    `.json` older than any live writer (a writer publishes the `.bin`, then the `.json` at once)."""
+    root = root or tokens_dir()
+    now = time.time()
+    found = []
+    for path in sorted(root.glob("*/*.*")) if root.is_dir() else []:
+        if path.name.startswith(".") or path.suffix not in (".json", ".bin"):
+            continue
+        other = path.with_suffix(".bin" if path.suffix == ".json" else ".json")
+        try:
+            if not other.exists() and (path.suffix == ".json" or now - path.stat().st_mtime > 3600):
+                found.append(path)
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def entry_paths(key: str, root: Path | None = None) -> tuple[str, str]:
@@ -87,13 +111,7 @@ def entry_paths(key: str, root: Path | None = None) -> tuple[str, str]:
     return base + ".bin", base + ".json"
 
 
-def _remove(entry: Entry, root: Path) -> None:
-    data, meta = entry_paths(entry.key, root)
-    Path(meta).unlink(missing_ok=True)  # first: the entry stops being complete
-    Path(data).unlink(missing_ok=True)
-
-
-def _remove_stale_staging(root: Path, now: float) -> int:
+def remove_stale_staging(root: Path, now: float) -> int:
     freed = 0
     for path in root.glob("*/.*.tmp-*") if root.is_dir() else []:
         try:
@@ -104,26 +122,3 @@ def _remove_stale_staging(root: Path, now: float) -> int:
         except FileNotFoundError:
             continue
     return freed
-
-
-def prune(
-    *, older_than: float | None = None, max_bytes: int | None = None, on_wait: object = None
-) -> tuple[int, int]:
-    """Remove entries unused for `older_than` seconds, then the least recently used until the cache holds at
-    most `max_bytes`; returns (entries removed, bytes freed). Waits for running builds first."""
-    root = tokens_dir()
-    with exclusive(on_wait):
-        now = time.time()
-        found = entries(root)
-        doomed = [e for e in found if older_than is not None and now - e.last_used > older_than]
-        kept = [e for e in found if e not in doomed]
-        total = sum(e.bytes for e in kept)
-        for entry in kept:
-            if max_bytes is None or total <= max_bytes:
-                break
-            doomed.append(entry)
-            total -= entry.bytes
-        for entry in doomed:
-            _remove(entry, root)
-        freed = sum(e.bytes for e in doomed) + _remove_stale_staging(root, now)
-    return len(doomed), freed

@@ -14,7 +14,7 @@ A file's parts are tokenized together, in one read of the file (`tokenize_file`)
 documents on both sides of the split is parsed once, not once per side. Parts still to tokenize are grouped,
 a file's parts together, into shards of about `SHARD_BYTES` of file (`plan_shards`); the pipeline maps
 a Prefect task over them (`tasks.dataset.tokenize_shard_task`), so they run on whatever task runner the flow
-has: threads here, a Dask or Ray cluster with prefect-dask / prefect-ray (the workers must see the corpus
+has: threads, or a Dask cluster with prefect-dask (the workers must see the corpus
 files and LLAMAFLOW_HOME at the same paths: a shared file system).
 """
 
@@ -31,14 +31,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from model.atomic import atomic_file, write_text_atomic
+from tasks import home
 from tasks.data.counts import ShardReport, TokenCounts
 from tasks.data.documents import routed_texts
-from tasks.data.errors import blake
+from tasks.data.errors import DataError, blake
 from tasks.data.files import FilePart, SourceFile
 from tasks.data.formats import RECORD_SUFFIXES, split_suffix
+from tasks.data.packed import copy_chunked
 from tasks.data.progress import Progress
 from tasks.data.token_store import entry_paths, tokens_dir
 from tasks.refs import TokenizerRef
@@ -92,6 +94,7 @@ class TokenShard(BaseModel):
     tokenizer: TokenizerRef
     add_bos: bool
     dtype: str
+    home: str = Field(default_factory=lambda: str(home.home()))  # the planning process's LLAMAFLOW_HOME
 
     @property
     def files(self) -> int:
@@ -277,7 +280,14 @@ def tokenize_missing(
 
 
 def tokenize_shard(shard: TokenShard) -> ShardReport:
-    """Tokenize every part of a shard that is not cached yet; returns what it did."""
+    """Tokenize every part of a shard that is not cached yet; returns what it did. A worker whose
+    LLAMAFLOW_HOME is not the planner's is refused: its tokens would land in a cache the flow never reads."""
+    if str(home.home()) != shard.home:
+        raise DataError(
+            f"This worker's LLAMAFLOW_HOME is {home.home()} but the flow's is {shard.home}: tokens written here "
+            f"would never reach the flow. Set LLAMAFLOW_HOME={shard.home} on every worker (the same path, on a "
+            "shared file system)."
+        )
     started = time.perf_counter()
     total = TokenCounts()
     for group in file_groups(shard.parts):
@@ -289,6 +299,17 @@ def tokenize_shard(shard: TokenShard) -> ShardReport:
         pid=os.getpid(),
         thread=threading.get_ident(),
     )
+
+
+def lost_parts(shards: Sequence[TokenShard]) -> list[PartSpec]:
+    """The parts of mapped `shards` whose tokens are not in this process's token cache after the map."""
+    root = tokens_dir()
+    return [
+        part
+        for shard in shards
+        for part in shard.parts
+        if cached_counts(part_key(part, shard.tokenizer, shard.add_bos, shard.dtype), root) is None
+    ]
 
 
 def plan_shards(
@@ -353,9 +374,11 @@ def pack_parts(
             if take == 0:  # a part without tokens (an empty file): the parts after it still count
                 continue
             data, _ = entry_paths(key, root)
-            flat[offset : offset + take] = np.fromfile(data, dtype=dtype, count=take)
+            stream = np.memmap(data, dtype=dtype, mode="r", shape=(take,))
+            # Chunk by chunk: never a whole entry in memory.
+            copy_chunked(flat[offset : offset + take], stream, progress.update)
+            del stream
             offset += take
-            progress.update(take)
     flat[offset:] = pad_id
     out.flush()
     del out

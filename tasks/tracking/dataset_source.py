@@ -66,9 +66,10 @@ def mixture_inputs(dataset_dir: Path, mixture: list[dict[str, Any]]) -> list[Dat
     inputs = []
     for item in mixture:
         source = PackedSplitSource.of(dataset_dir / "train.npy", item["fingerprint"])
+        keys = ("weight", "stream_tokens", "blocks", "epochs", "val_stream_tokens", "val_blocks")
         profile = {
-            key: item[key] for key in ("weight", "stream_tokens", "blocks", "val_stream_tokens", "val_blocks")
-        }
+            key: item[key] for key in keys if key in item
+        }  # epochs: since the mixture drew across sources
         entity = Dataset(
             name=f"{dataset_dir.name}/{redact(item['source'])}",
             digest=item["fingerprint"][:MAX_DATASET_DIGEST_SIZE],
