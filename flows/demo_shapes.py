@@ -8,10 +8,7 @@ times under an AVX2 emulation; not yet its bits per byte at equal wall clock): b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from flows.pretrain_config import PretrainConfig
+from typing import Any
 
 # The demo's candidate model and batch shapes for a CPU without bf16 in hardware, where it trains fp32
 # (`benchmarks/budget_shapes.py` compares them at equal wall clock; benchmarks/README.md). Every value is
@@ -93,18 +90,3 @@ def resolve_demo_shape(values: dict[str, Any], merged: dict[str, Any]) -> None:
     merged["demo_shape"] = shape
     if shape != "preset":
         merged.update({k: v for k, v in DEMO_SHAPES[shape].items() if k not in values})
-
-
-def describe_shape(config: PretrainConfig) -> str:
-    """Which model and batch shape trains, and why (the run summary's line)."""
-    batch = f"{config.micro_batch_size} x {config.accumulate_steps} x {config.seq_len} tokens per step"
-    if config.init_from is not None:
-        return f"the architecture of {config.init_from}, {batch}"
-    model = config.llama_config()
-    what = f"{model.num_hidden_layers} x {model.hidden_size}, vocabulary {model.vocab_size}, {batch}"
-    if config.demo_shape == "preset":
-        return f"{what} (preset {config.preset})"
-    return (
-        f"{what} (demo_shape {config.demo_shape}: this CPU has no bf16 in hardware, so the demo trains fp32 and "
-        "takes this smaller shape with more, cheaper steps within its time budget; benchmarks/README.md)"
-    )

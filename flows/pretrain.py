@@ -22,10 +22,9 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from flows import cli
-from flows.demo_shapes import describe_shape
 from flows.pool.placement import check_placement, train_where_placed
 from flows.pool.remote_train import FLOW_TIMEOUT_S
-from flows.pretrain_config import PretrainConfig
+from flows.pretrain_config import PretrainConfig, describe_shape
 from flows.result import PretrainResult, print_summary
 from flows.run_budget import budget_terms, run_plan
 from model import LlamaConfig

@@ -332,3 +332,18 @@ class PretrainConfig(TrainSettings, DataSettings):
     def train_settings(self) -> TrainSettings:
         """The training options alone: the object the train task, a train deployment and the engine take."""
         return TrainSettings.model_validate(self.model_dump(include=set(TrainSettings.model_fields)))
+
+
+def describe_shape(config: PretrainConfig) -> str:
+    """Which model and batch shape trains, and why (the run summary's line)."""
+    batch = f"{config.micro_batch_size} x {config.accumulate_steps} x {config.seq_len} tokens per step"
+    if config.init_from is not None:
+        return f"the architecture of {config.init_from}, {batch}"
+    model = config.llama_config()
+    what = f"{model.num_hidden_layers} x {model.hidden_size}, vocabulary {model.vocab_size}, {batch}"
+    if config.demo_shape == "preset":
+        return f"{what} (preset {config.preset})"
+    return (
+        f"{what} (demo_shape {config.demo_shape}: this CPU has no bf16 in hardware, so the demo trains fp32 and "
+        "takes this smaller shape with more, cheaper steps within its time budget; benchmarks/README.md)"
+    )

@@ -34,12 +34,13 @@ from model.atomic import atomic_dir
 from tasks import home
 from tasks.data import packing, token_store
 from tasks.data import tokens as token_cache
-from tasks.data.cache import build_lock, is_complete, prefect_cache_key
+from tasks.data.cache import build_lock, prefect_cache_key
 from tasks.data.corpus import Corpus, DataError, DataSettings, blake, corpus_of_parameters, resolve_corpus
 from tasks.data.cpus import usable_cpus
 from tasks.data.errors import data_logger
 from tasks.data.packed import FORMAT_VERSION, load_dataset_ref, token_dtype, write_meta
 from tasks.data.packing import parts_of, too_few_tokens
+from tasks.data.slot import is_complete
 from tasks.data.split import MANIFEST_NAME
 from tasks.data.tokens import TokenShard, plan_shards, tokenize_shard
 from tasks.refs import DatasetRef, TokenizerRef

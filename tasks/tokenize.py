@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.atomic import atomic_dir
 from tasks import home
-from tasks.data.cache import build_lock, is_complete, prefect_cache_key, touch
+from tasks.data.cache import build_lock, prefect_cache_key
 from tasks.data.corpus import (
     CorpusSplit,
     DataError,
@@ -35,6 +35,7 @@ from tasks.data.corpus import (
 )
 from tasks.data.errors import data_logger
 from tasks.data.progress import Progress, counted_bytes
+from tasks.data.slot import is_complete, touch
 from tasks.refs import TokenizerRef
 
 ALGORITHM_VERSION = "bytelevel-bpe-v1"

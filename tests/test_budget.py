@@ -159,7 +159,7 @@ def test_the_budget_gives_way_to_an_explicit_run_length() -> None:
 
 def test_the_demo_shape_follows_the_hardware_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     from flows import demo_shapes
-    from flows.pretrain_config import PretrainConfig
+    from flows.pretrain_config import PretrainConfig, describe_shape
     from tasks.training import precision
 
     monkeypatch.setattr(demo_shapes, "_fp32_cpu_host", lambda values: True)
@@ -168,7 +168,7 @@ def test_the_demo_shape_follows_the_hardware_probe(monkeypatch: pytest.MonkeyPat
     assert fp32.budget_seconds == parse_duration(demo_shapes.FP32_DEMO_BUDGET)
     chosen = demo_shapes.DEMO_SHAPES[demo_shapes.FP32_DEMO_SHAPE]
     assert fp32.llama_config().hidden_size == chosen["model_overrides"]["hidden_size"]
-    assert "this CPU has no bf16 in hardware" in demo_shapes.describe_shape(fp32)
+    assert "this CPU has no bf16 in hardware" in describe_shape(fp32)
     assert PretrainConfig(**fp32.model_dump()) == fp32  # a validated config validates to itself
     # The user's choices stay: a batch given keeps the preset's model; a run length given drops the budget.
     assert PretrainConfig(micro_batch_size=8).demo_shape == "preset"

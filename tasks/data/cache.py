@@ -12,9 +12,7 @@ home is dropped and the task runs again.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,13 +21,9 @@ from pathlib import Path
 from model.atomic import remove_stale
 from tasks import home
 from tasks.data.errors import data_logger
+from tasks.data.slot import is_complete, touch
 
-COMPLETE_MARKER = "meta.json"
 _HELD = threading.local()  # the lock files this thread holds
-
-
-def is_complete(final: Path) -> bool:
-    return (final / COMPLETE_MARKER).is_file()
 
 
 def lock_path(final: Path) -> Path:
@@ -37,14 +31,6 @@ def lock_path(final: Path) -> Path:
     locks = home.cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     return locks / f"{final.parent.name}-{final.name}.lock"
-
-
-def touch(final: Path) -> None:
-    """Mark a complete slot used now (`tasks.data.cache_budget` prunes the least recently used first)."""
-    with contextlib.suppress(
-        OSError
-    ):  # removed meanwhile, or a read-only cache: only the pruning order moves
-        os.utime(final / COMPLETE_MARKER)
 
 
 @contextmanager

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from tasks import home
 from tasks.data import token_store
-from tasks.data.cache import COMPLETE_MARKER, lock_path
+from tasks.data.cache import lock_path
+from tasks.data.slot import COMPLETE_MARKER
 
 KINDS = ("tokens", "datasets", "tokenizers", "hf-datasets")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

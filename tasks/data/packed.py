@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.data.cache import touch
+from tasks.data.slot import touch
 from tasks.refs import DatasetRef
 
 FORMAT_VERSION = "packed-v2"  # v2: train_tokens counts targets

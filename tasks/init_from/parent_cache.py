@@ -16,7 +16,8 @@ import torch
 from model.atomic import atomic_dir
 from model.weights import CONFIG_FILE, WEIGHTS_FILE
 from tasks import home
-from tasks.data.cache import build_lock, is_complete
+from tasks.data.cache import build_lock
+from tasks.data.slot import is_complete
 
 META_FILE = "meta.json"  # the completion marker of a slot (tasks.data.cache.is_complete)
 TOKENIZER_FILE = "tokenizer.json"
