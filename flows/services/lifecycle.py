@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from flows.services import postgres, servers, tls
 from flows.services.processes import alive, free_port, port_is_free, stop_tree
@@ -76,6 +77,13 @@ def configure(
     services = saved or Services(str(root), free_port(), free_port(), free_port(), pg_user)
     services.pg_user = pg_user
     services.host = host or services.host
+    try:
+        free_port(services.host)
+    except OSError as err:
+        raise ServicesError(
+            f"--host {services.host}: this machine cannot listen there ({err.strerror}); give one of its own "
+            "addresses (`ip -brief address`), or 0.0.0.0 to listen on all of them"
+        ) from err
     if public_host:
         services.public_host = public_host
     elif host is not None:
@@ -94,6 +102,12 @@ def configure(
     if artifacts_destination is not None:
         services.artifacts_destination = artifacts_destination
     (tls_options or TlsOptions()).apply(services, host_given=host is not None)
+    reached = [services.mlflow_tracking_uri, services.prefect_api_url]
+    if no_auth and [url for url in reached if not is_loopback(urlsplit(url).hostname or "")]:
+        raise ServicesError(
+            f"--no-auth with clients reaching the stores at {', '.join(reached)}: the stores would be open to "
+            "the network; drop --no-auth (or every address and --public-url with it)"
+        )
     if services.tls:
         for name in servers.SERVERS:
             services.proxy_ports.setdefault(name, free_port(services.host))

@@ -64,6 +64,14 @@ class TlsOptions:
                 "--tls-cert (or drop --public-url, and `up` starts one)"
             )
         beyond = not is_loopback(services.host)
+        unnamed = [name for name in SERVERS if name not in services.public_urls]
+        if services.public_urls and unnamed and beyond:
+            raise ServicesError(
+                f"--public-url names a proxy for {', '.join(sorted(services.public_urls))} only: "
+                f"{', '.join(unnamed)} would listen on {services.host} over plain HTTP, and clients would send "
+                "their credentials in clear; give --public-url for each of prefect and mlflow (or drop "
+                "--public-url, and `up` puts TLS in front of both)"
+            )
         kept = services.tls and not host_given
         services.tls = not services.public_urls and (self.tls or bool(self.cert) or beyond or kept)
 
