@@ -133,3 +133,30 @@ def test_a_host_this_machine_cannot_listen_on_is_named_with_the_fix(tmp_path: Pa
         ServicesError, match=r"--host 192\.0\.2\.1: this machine cannot listen there .*0\.0\.0\.0"
     ):
         stores.configure(tmp_path / "a", host="192.0.2.1")  # TEST-NET-1: no machine's address
+
+
+def test_writes_from_a_web_page_of_another_origin_are_refused(
+    roles_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow lets any http://localhost:* page write; the policy only the server's own public origin."""
+    from flask import Flask
+
+    monkeypatch.setenv(policy.ORIGIN_VARIABLE, "https://stores.example.org:443")
+    app = Flask(__name__)
+
+    def refusal(method: str, origin: str | None, **kwargs) -> str | None:
+        headers = {"Origin": origin} if origin else {}
+        with app.test_request_context(f"{API}/runs/create", method=method, headers=headers, **kwargs):
+            return policy._refusal("worker")
+
+    for origin in (
+        "http://localhost:5000",
+        "https://stores.example.org:8443",
+        "null",
+        "https://evil.example",
+    ):
+        assert "may not change anything here" in (refusal("POST", origin, json={}) or ""), origin
+    assert refusal("POST", "https://stores.example.org", json={}) is None  # the default port, left out
+    assert refusal("POST", None, json={}) is None  # not a browser
+    assert refusal("GET", "http://localhost:5000") is None  # reads are CORS's business
+    assert "JSON" in (refusal("POST", None, data="{}", content_type="text/plain") or "")

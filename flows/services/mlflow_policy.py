@@ -20,6 +20,7 @@ does, then refuses (403), before MLflow's own checks:
 - any write into a registered model's files (`frozen`): into a logged model that is no longer PENDING
   (READY: a version may be made from it), and into a run whose files a version was made from; nobody's,
   the admin's included (what the decision scored and recorded, `tasks.registry.manifest`, stays what loads);
+- a state-changing request sent by a web page of another origin than the server's public one (`Origin`);
 - a request MLflow could read otherwise than this policy does (`one_reading`): a state-changing request
   whose body is neither empty nor JSON sent as JSON, or any request with both a query string and a body.
   MLflow's permission check and its handlers parse a DELETE's parameters each their own way (the body
@@ -42,11 +43,13 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tasks.registry.decision import DECISION_TAGS
 from tasks.registry.lock import LOCK_SUFFIX
 
 ROLES_VARIABLE = "LLAMAFLOW_MLFLOW_ROLES"
+ORIGIN_VARIABLE = "LLAMAFLOW_MLFLOW_ORIGIN"  # the public origin of the server: its UI's pages' origin
 ALIAS_ROUTE = "/registered-models/alias"
 _TAG_ROUTES = ("/model-versions/set-tag", "/model-versions/delete-tag")
 _CREATE_VERSION_ROUTE = "/model-versions/create"
@@ -135,6 +138,27 @@ def one_reading(method: str, path: str, content_type: str | None, raw: bytes, ha
     return None if isinstance(parsed, dict) else "the request's body is not a JSON object"
 
 
+def origin_of(url: str) -> str:
+    """A URL's origin as browsers send it (scheme://host[:port], no default port)."""
+    parts = urlsplit(url.strip())
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    host = (parts.hostname or "").lower()
+    host = f"[{host}]" if ":" in host else host
+    port = "" if parts.port in (None, default) else f":{parts.port}"
+    return f"{parts.scheme.lower()}://{host}{port}"
+
+
+def foreign_origin(method: str, origin: str | None) -> str | None:
+    """Why a state-changing request from a web page of another origin is refused (None: it is not one).
+    MLflow itself lets any `http://localhost:*` page write, whatever --cors-allowed-origins says."""
+    if method in _READ_METHODS or origin is None:
+        return None
+    public = os.environ.get(ORIGIN_VARIABLE, "")
+    if public and origin_of(origin) == origin_of(public):
+        return None
+    return f"a web page at {origin} may not change anything here (only the server's own pages, {public or 'none'})"
+
+
 def frozen(method: str, path: str) -> str | None:
     """Why this write would change the files of a logged model that is no longer PENDING, or of a run a
     version was made from (None: it would not). Asks the server's own stores."""
@@ -172,7 +196,8 @@ def _refusal(user: str) -> str | None:
 
     upload = request.method == "PUT" and request.path.startswith(_UPLOAD_PREFIXES)
     raw = b"" if upload else request.get_data(cache=True)  # an upload's bytes are the handler's to stream
-    why = one_reading(request.method, request.path, request.content_type, raw, bool(request.args))
+    why = foreign_origin(request.method, request.headers.get("Origin"))
+    why = why or one_reading(request.method, request.path, request.content_type, raw, bool(request.args))
     if why is None:
         why = frozen(request.method, request.path)
     if why is not None:
