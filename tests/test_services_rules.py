@@ -160,3 +160,70 @@ def test_writes_from_a_web_page_of_another_origin_are_refused(
     assert refusal("POST", None, json={}) is None  # not a browser
     assert refusal("GET", "http://localhost:5000") is None  # reads are CORS's business
     assert "JSON" in (refusal("POST", None, data="{}", content_type="text/plain") or "")
+
+
+def test_the_directorys_ca_vouches_for_the_servers_names_only(tmp_path: Path) -> None:
+    """Clients trust the CA for these servers: name constraints keep a leaked CA key from vouching for
+    any other site to them; new names make a new CA."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+
+    from flows.services import tls
+
+    services, _ = stores.configure(tmp_path / "s", tls_options=TlsOptions(tls=True))
+    cert_path, _ = tls.prepare(services)
+    folder = cert_path.parent
+    ca = x509.load_pem_x509_certificate((folder / tls.CA_CERT).read_bytes())
+    leaf = x509.load_pem_x509_certificate(cert_path.read_bytes())
+
+    def verifies(cert: x509.Certificate, name: x509.DNSName | x509.IPAddress) -> bool:
+        verifier = PolicyBuilder().store(Store([ca])).build_server_verifier(name)
+        try:
+            verifier.verify(cert, [])
+        except VerificationError:
+            return False
+        return True
+
+    import ipaddress
+
+    assert verifies(leaf, x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    constraints = ca.extensions.get_extension_for_class(x509.NameConstraints).value
+    assert set(constraints.permitted_subtrees) == {
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_network("127.0.0.1/32")),
+    }
+    # what the CA's key could sign for another site: refused by every client trusting the bundle
+    from cryptography.hazmat.primitives import serialization
+
+    ca_key = serialization.load_pem_private_key((folder / tls.CA_KEY).read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    forged = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("bank.example")]), critical=True)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    assert not verifies(forged, x509.DNSName("bank.example"))
+    # another public name: a new CA for the new names, and a server certificate it signed
+    services.public_host = "stores.example.org"
+    tls.prepare(services)
+    again = x509.load_pem_x509_certificate((folder / tls.CA_CERT).read_bytes())
+    assert again != ca
+    ca = again
+    assert verifies(
+        x509.load_pem_x509_certificate(cert_path.read_bytes()), x509.DNSName("stores.example.org")
+    )

@@ -102,15 +102,15 @@ def configure(
     if artifacts_destination is not None:
         services.artifacts_destination = artifacts_destination
     (tls_options or TlsOptions()).apply(services, host_given=host is not None)
-    reached = [services.mlflow_tracking_uri, services.prefect_api_url]
-    if no_auth and [url for url in reached if not is_loopback(urlsplit(url).hostname or "")]:
+    if services.tls:
+        for name in servers.SERVERS:
+            services.proxy_ports.setdefault(name, free_port(services.host))
+    reached = [services.mlflow_tracking_uri, services.prefect_api_url] if no_auth else []
+    if [url for url in reached if not is_loopback(urlsplit(url).hostname or "")]:
         raise ServicesError(
             f"--no-auth with clients reaching the stores at {', '.join(reached)}: the stores would be open to "
             "the network; drop --no-auth (or every address and --public-url with it)"
         )
-    if services.tls:
-        for name in servers.SERVERS:
-            services.proxy_ports.setdefault(name, free_port(services.host))
     return services, (Secrets.load_or_create(root) if services.auth else None)
 
 
