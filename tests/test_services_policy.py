@@ -92,7 +92,7 @@ def stack() -> Iterator[dict]:
                 record="{}",
             )
             champion = client.get_model_version_by_alias(NAME, "champion")
-            logged = client.get_logged_model(champion.model_id)
+            logged = client.get_logged_model(champion.model_id or champion.source.removeprefix("models:/"))
             yield {
                 "services": services,
                 "uri": uri,
