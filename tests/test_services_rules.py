@@ -129,10 +129,13 @@ def test_no_auth_reached_from_beyond_loopback_is_refused(tmp_path: Path) -> None
 
 
 def test_a_host_this_machine_cannot_listen_on_is_named_with_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(
-        ServicesError, match=r"--host 192\.0\.2\.1: this machine cannot listen there .*0\.0\.0\.0"
-    ):
+    fix = r"--host 192\.0\.2\.1: this machine cannot listen there .*0\.0\.0\.0"
+    with pytest.raises(ServicesError, match=fix):  # TLS: stunnel would listen there
         stores.configure(tmp_path / "a", host="192.0.2.1")  # TEST-NET-1: no machine's address
+    own = TlsOptions(public_urls={"mlflow": "https://m.example.org", "prefect": "https://p.example.org"})
+    with pytest.raises(ServicesError, match=fix):  # the servers would, behind the user's proxy
+        stores.up(tmp_path / "b", host="192.0.2.1", tls_options=own, pg_user="daemon")
+    assert not (tmp_path / "b" / "postgres").exists()  # refused before anything started
 
 
 def test_writes_from_a_web_page_of_another_origin_are_refused(

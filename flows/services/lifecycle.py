@@ -55,6 +55,17 @@ def _launch(name: str, services: Services, secrets: Secrets | None, mlflow_worke
     return tls.proxy_launch(services)
 
 
+def listenable(host: str) -> None:
+    """Raise a ServicesError naming the fix when this machine cannot listen on `host`."""
+    try:
+        free_port(host)
+    except OSError as err:
+        raise ServicesError(
+            f"--host {host}: this machine cannot listen there ({err.strerror}); give one of its own addresses "
+            "(`ip -brief address`), or 0.0.0.0 to listen on all of them"
+        ) from err
+
+
 def configure(
     root: Path,
     *,
@@ -77,13 +88,6 @@ def configure(
     services = saved or Services(str(root), free_port(), free_port(), free_port(), pg_user)
     services.pg_user = pg_user
     services.host = host or services.host
-    try:
-        free_port(services.host)
-    except OSError as err:
-        raise ServicesError(
-            f"--host {services.host}: this machine cannot listen there ({err.strerror}); give one of its own "
-            "addresses (`ip -brief address`), or 0.0.0.0 to listen on all of them"
-        ) from err
     if public_host:
         services.public_host = public_host
     elif host is not None:
@@ -103,6 +107,7 @@ def configure(
         services.artifacts_destination = artifacts_destination
     (tls_options or TlsOptions()).apply(services, host_given=host is not None)
     if services.tls:
+        listenable(services.host)
         for name in servers.SERVERS:
             services.proxy_ports.setdefault(name, free_port(services.host))
     reached = [services.mlflow_tracking_uri, services.prefect_api_url] if no_auth else []
@@ -142,6 +147,7 @@ def up(
 
 
 def _up(services: Services, secrets: Secrets | None, timeout_s: float, mlflow_workers: int) -> Services:
+    listenable(services.bind_host)  # before anything starts
     if secrets is not None:
         servers.write_roles(services, secrets)
     state = running(services)
