@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from tokenizers import Tokenizer
 
 from model import LlamaForPretraining, load_pretrained
+from tasks.registry.manifest import verify_version
 from tasks.tracking import store
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
@@ -83,6 +84,7 @@ def download_model_files(uri: str, dst: str | Path, tracking_uri: str | None = N
             artifact_uri=location, dst_path=str(dst), tracking_uri=tracking_uri
         )
     )
+    verify_version(local, version, f"{uri} (version {version.version})")  # before anything is read
     pyfunc = Model.load(local).flavors.get("python_function", {})
     artifacts = pyfunc.get("artifacts", {})
     missing = {"weights", "tokenizer", "config"} - set(artifacts)

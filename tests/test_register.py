@@ -614,3 +614,40 @@ def test_eval_result_carries_what_promotion_compares(world: World) -> None:
         result.val_loss * result.scored_tokens / math.log(2) / result.scored_bytes, rel=1e-12
     )
     assert (PAD_ID, EOS_ID) == (2, 1)
+
+
+def test_a_tampered_champion_is_refused_by_every_loader(
+    world: World, sqlite_store: str, home: Path, tmp_path: Path
+) -> None:
+    """The decision records the sha256 of every file it promoted; a file changed afterwards in the artifact
+    store is named, and nothing is loaded: by lookup, by the pyfunc (MLflow's own loader) and by init_from."""
+    from tasks.init_from.mlflow_source import resolve_registry
+    from tasks.init_from.parent_cache import InitFromError
+    from tasks.registry.manifest import TAG_MANIFEST, TamperedModelError, manifest_of, recorded
+
+    name = "llamaflow-tamper"
+    _register(world, world.random_init, world.dataset, name)
+    client = tracking_store.get_client()
+    version = client.get_model_version_by_alias(name, "champion")
+    store_dir = Path(client.get_model_version_download_uri(name, version.version).removeprefix("file://"))
+    assert recorded(version.tags) == manifest_of(store_dir) and "pyfunc.py" in version.tags[TAG_MANIFEST]
+    uri = f"models:/{name}@champion"
+    for target in ("artifacts/model.safetensors", "artifacts/tokenizer.json", "pyfunc.py", "MLmodel"):
+        original = (store_dir / target).read_bytes()
+        (store_dir / target).write_bytes(original + b"\n# changed\n")
+        try:
+            with pytest.raises(TamperedModelError, match=f"changed: {target}"):
+                load_model(uri)
+            with pytest.raises(InitFromError, match=f"changed: {target}"):
+                resolve_registry(uri, sqlite_store)
+            if target != "pyfunc.py":  # MLflow runs a changed pyfunc.py before any code of ours
+                # (the model's own copy of the manifest module raises: its class, not ours)
+                with pytest.raises(ValueError, match=f"changed: {target}"):
+                    mlflow.pyfunc.load_model(uri)
+        finally:
+            (store_dir / target).write_bytes(original)
+    (store_dir / "code" / "torch.py").write_text("raise SystemExit('shadowed')\n")  # a file added
+    with pytest.raises(TamperedModelError, match="added: code/torch.py"):
+        load_model(uri)
+    (store_dir / "code" / "torch.py").unlink()
+    load_model(uri)  # the recorded files load again

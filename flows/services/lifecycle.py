@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from flows.services import postgres, servers, tls
 from flows.services.processes import alive, free_port, port_is_free, stop_tree
@@ -52,6 +53,17 @@ def _launch(name: str, services: Services, secrets: Secrets | None, mlflow_worke
     if name == "mlflow":
         return servers.mlflow_launch(services, secrets, mlflow_workers)
     return tls.proxy_launch(services)
+
+
+def listenable(host: str) -> None:
+    """Raise a ServicesError naming the fix when this machine cannot listen on `host`."""
+    try:
+        free_port(host)
+    except OSError as err:
+        raise ServicesError(
+            f"--host {host}: this machine cannot listen there ({err.strerror}); give one of its own addresses "
+            "(`ip -brief address`), or 0.0.0.0 to listen on all of them"
+        ) from err
 
 
 def configure(
@@ -95,8 +107,15 @@ def configure(
         services.artifacts_destination = artifacts_destination
     (tls_options or TlsOptions()).apply(services, host_given=host is not None)
     if services.tls:
+        listenable(services.host)
         for name in servers.SERVERS:
             services.proxy_ports.setdefault(name, free_port(services.host))
+    reached = [services.mlflow_tracking_uri, services.prefect_api_url] if no_auth else []
+    if [url for url in reached if not is_loopback(urlsplit(url).hostname or "")]:
+        raise ServicesError(
+            f"--no-auth with clients reaching the stores at {', '.join(reached)}: the stores would be open to "
+            "the network; drop --no-auth (or every address and --public-url with it)"
+        )
     return services, (Secrets.load_or_create(root) if services.auth else None)
 
 
@@ -128,6 +147,7 @@ def up(
 
 
 def _up(services: Services, secrets: Secrets | None, timeout_s: float, mlflow_workers: int) -> Services:
+    listenable(services.bind_host)  # before anything starts
     if secrets is not None:
         servers.write_roles(services, secrets)
     state = running(services)

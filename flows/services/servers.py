@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from flows.services.mlflow_policy import ROLES_VARIABLE
+from flows.services.mlflow_policy import ORIGIN_VARIABLE, ROLES_VARIABLE, origin_of
 from flows.services.processes import ProcessIdentity, scrubbed_env, start_detached, wait_http
 from flows.services.state import (
     ADMIN_USER,
@@ -167,6 +167,7 @@ def mlflow_launch(services: Services, secrets: Secrets | None, workers: int) -> 
         "MLFLOW_AUTH_CONFIG_PATH": str(root / AUTH_CONFIG),
         "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN_USER,
         ROLES_VARIABLE: str(root / ROLES_FILE),
+        ORIGIN_VARIABLE: origin_of(services.mlflow_tracking_uri),
     }
     secret_env = {
         **store_env,

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import certifi
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -64,6 +65,14 @@ class TlsOptions:
                 "--tls-cert (or drop --public-url, and `up` starts one)"
             )
         beyond = not is_loopback(services.host)
+        unnamed = [name for name in SERVERS if name not in services.public_urls]
+        if services.public_urls and unnamed and beyond:
+            raise ServicesError(
+                f"--public-url names a proxy for {', '.join(sorted(services.public_urls))} only: "
+                f"{', '.join(unnamed)} would listen on {services.host} over plain HTTP, and clients would send "
+                "their credentials in clear; give --public-url for each of prefect and mlflow (or drop "
+                "--public-url, and `up` puts TLS in front of both)"
+            )
         kept = services.tls and not host_given
         services.tls = not services.public_urls and (self.tls or bool(self.cert) or beyond or kept)
 
@@ -114,19 +123,39 @@ _CA_USAGE = dict.fromkeys(
 ) | {"key_cert_sign": True, "crl_sign": True, "encipher_only": False, "decipher_only": False}
 
 
-def _ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """The directory's CA (created once): its certificate and key."""
+def _subtree(host: str) -> x509.GeneralName:
+    name = _name(host)
+    if isinstance(name, x509.IPAddress):  # a constraint names a network: this one address
+        return x509.IPAddress(ipaddress.ip_network(name.value))
+    return name
+
+
+def _permits(cert: x509.Certificate, names: list[str]) -> bool:
+    """Whether the CA's name constraints cover every one of `names` (False: it has none)."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        return False
+    return {_subtree(n) for n in names} <= set(constraints.permitted_subtrees or ())
+
+
+def _ca(folder: Path, names: list[str]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The directory's CA: its certificate and key. It may vouch for the servers' `names` only (name
+    constraints: clients that trust it trust nothing else it could sign); made again when the names grow
+    beyond it, or when an older one has no constraints (clients elsewhere then need the new bundle)."""
 
     if (folder / CA_CERT).is_file() and (folder / CA_KEY).is_file():
         cert = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
         key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
         assert isinstance(key, ec.EllipticCurvePrivateKey)  # the one _ca wrote
-        return cert, key
+        if _permits(cert, names):
+            return cert, key
     key = ec.generate_private_key(ec.SECP256R1())
     # A common name is at most 64 characters: the directory by a digest of its path.
     which = hashlib.sha256(str(folder.parent).encode()).hexdigest()[:16]
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llamaflow services CA {which}")])
     now = datetime.datetime.now(datetime.UTC)
+    permitted = list(dict.fromkeys(_subtree(n) for n in names))
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -137,6 +166,10 @@ def _ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(**_CA_USAGE), critical=True)
+        .add_extension(
+            x509.NameConstraints(permitted_subtrees=permitted, excluded_subtrees=None), critical=True
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     write_private(folder / CA_KEY, _key_pem(key))
@@ -152,13 +185,18 @@ def _server_names(services: Services) -> list[str]:
 def _issue(folder: Path, names: list[str]) -> None:
     """A server certificate for `names`, signed by the directory's CA (kept while its names still fit)."""
 
-    ca_cert, ca_key = _ca(folder)
+    ca_cert, ca_key = _ca(folder, names)
     wanted = [_name(n) for n in names]
     if (folder / SERVER_CERT).is_file():
         kept = x509.load_pem_x509_certificate((folder / SERVER_CERT).read_bytes())
         sans = kept.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         left = kept.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
-        if set(sans) == set(wanted) and left > datetime.timedelta(days=30):
+        try:
+            kept.verify_directly_issued_by(ca_cert)  # not by a CA made again since
+            ours = True
+        except (ValueError, TypeError, InvalidSignature):
+            ours = False
+        if ours and set(sans) == set(wanted) and left > datetime.timedelta(days=30):
             return
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -173,6 +211,9 @@ def _issue(folder: Path, names: list[str]) -> None:
         .add_extension(x509.SubjectAlternativeName(wanted), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     write_private(folder / SERVER_KEY, _key_pem(key))

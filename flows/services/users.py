@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -47,6 +48,8 @@ from tasks.registry.promoter import PROMOTER_PASSWORD, PROMOTER_USERNAME
 WORKER_PERMISSION = "EDIT"
 PROMOTER_PERMISSION = "MANAGE"
 LOCK_PERMISSION = "MANAGE"  # a promoter deletes its tickets (model versions) of the lock
+# It names `users/NAME.env`: no path separator, no leading dot.
+USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def default_resources() -> tuple[list[str], list[str]]:
@@ -142,6 +145,13 @@ def add_user(
         )
     if name == ADMIN_USER:
         raise ServicesError(f"{ADMIN_USER!r} is the administrator; name the user otherwise")
+    if not USER_NAME.fullmatch(name) or ".." in name:
+        raise ServicesError(
+            f"user name {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or "
+            "digit (it names the user's env file, users/NAME.env), e.g. worker-gpu1"
+        )
+    if env_file is not None and (env_file.is_symlink() or env_file.is_dir()):
+        raise ServicesError(f"--env-file {env_file} is a link or a directory: name a plain file to write")
     if read_only and promoter:
         raise ServicesError("a user is a reader (--read-only) or a promoter (--promoter), not both")
     root = Path(services.root)

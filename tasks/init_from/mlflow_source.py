@@ -25,6 +25,7 @@ from tasks.init_from.parent_cache import TOKENIZER_FILE, InitFromError, material
 from tasks.lookup import parse_model_uri, resolve_version
 from tasks.refs import ParentRef
 from tasks.registry import lineage
+from tasks.registry.manifest import TamperedModelError, verify_version
 from tasks.tracking import store
 
 LOGGED_MODEL_URI = re.compile(r"^models:/(?P<model_id>m-[0-9a-f]{32})$")
@@ -46,14 +47,22 @@ def _locate(local: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     return files, {}
 
 
-def _download(uri: str, artifact_uri: str, staging: Path, what: str) -> dict[str, Any]:
-    """Download a model's artifacts and keep weights, config and tokenizer in `staging` (our layout)."""
+def _download(
+    uri: str, artifact_uri: str, staging: Path, what: str, version: ModelVersion | None = None
+) -> dict[str, Any]:
+    """Download a model's artifacts, check them against the manifest `version`'s promotion decision recorded
+    (if any), and keep weights, config and tokenizer in `staging` (our layout)."""
     import mlflow
 
     with tempfile.TemporaryDirectory(prefix="llamaflow-parent-", dir=staging.parent) as scratch:
         local = Path(
             mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=scratch, tracking_uri=uri)
         )
+        if version is not None:
+            try:
+                verify_version(local, version, what)
+            except TamperedModelError as err:
+                raise InitFromError(f"init_from: {err}") from err
         files, token_ids = _locate(local)
         for role in ("weights", "config"):
             if role not in files or not files[role].is_file():
@@ -142,7 +151,7 @@ def resolve_registry(source: str, uri: str) -> ParentRef:
 
     def write(staging: Path) -> dict[str, Any]:
         location = client.get_model_version_download_uri(name, str(version.version))
-        return _download(uri, location, staging, pinned)
+        return _download(uri, location, staging, pinned, version)
 
     slot, meta = materialize(f"mlflow-{key[:32]}", write)
     return _parent(
@@ -182,9 +191,10 @@ def resolve_logged_model(source: str, uri: str, model_id: str | None = None) -> 
             f"{store.redact_uri(uri)} ({err.message})"
         ) from err
     key = blake("logged-model", store.redact_uri(uri), model_id)
+    made_into = _registered_version_of(client, logged)
 
     def write(staging: Path) -> dict[str, Any]:
-        meta = _download(uri, logged.artifact_location, staging, f"logged model {model_id}")
+        meta = _download(uri, logged.artifact_location, staging, f"logged model {model_id}", made_into)
         if not (staging / TOKENIZER_FILE).is_file():
             _tokenizer_of_run(client, logged, staging)
         return meta
@@ -197,7 +207,7 @@ def resolve_logged_model(source: str, uri: str, model_id: str | None = None) -> 
         pinned=f"models:/{model_id}",
         slot=slot,
         meta=meta,
-        version=_registered_version_of(client, logged),
+        version=made_into,
         model_id=model_id,
         run_id=logged.source_run_id,
     )

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -23,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.refs import Promotion
 from tasks.registry.lock import promotion_lock
+from tasks.registry.manifest import TAG_MANIFEST, encode, manifest_of
 
 TAG_PROMOTED = "llamaflow.promoted"
 TAG_CHAMPION_BITS_PER_BYTE = "llamaflow.champion_bits_per_byte"
@@ -41,6 +44,7 @@ DECISION_TAGS = frozenset(
         TAG_COMPARISON,
         TAG_LOCK_TICKET,
         TAG_PROMOTER_SCORE,
+        TAG_MANIFEST,
     )
 )
 NOT_COMPARABLE = "not comparable"
@@ -83,6 +87,19 @@ def current_champion(client: MlflowClient, name: str, alias: str) -> ModelVersio
         raise
 
 
+def version_manifest(client: MlflowClient, version: ModelVersion) -> str:
+    """The sha256 manifest (`tasks.registry.manifest`) of the version's files as the store holds them now,
+    downloaded through `client`: what the decision records and every loader checks."""
+    import mlflow
+
+    location = client.get_model_version_download_uri(version.name, str(version.version))
+    with tempfile.TemporaryDirectory(prefix="llamaflow-manifest-") as tmp:
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri
+        )
+        return encode(manifest_of(Path(local)))
+
+
 def _alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
     holder = current_champion(client, name, alias)
     return None if holder is None else str(holder.version)
@@ -114,6 +131,7 @@ def decide(
     The champion's number may need a re-score (seconds to minutes), so it is computed outside the lock; under
     it the alias is read again, and if another registration moved it meanwhile, the comparison is redone."""
     name, mine = version.name, str(version.version)
+    manifest = version_manifest(client, version)  # the files a worker can no longer change (READY)
     lost_to_restore: list[str | None] = []  # the champion we had compared with, when our write was fenced off
     for _ in range(MAX_CHAMPION_CHANGES):
         if lost_to_restore:
@@ -139,6 +157,7 @@ def decide(
                 TAG_COMPARISON: comparison,
                 TAG_LOCK_TICKET: str(lease.ticket),
                 TAG_PROMOTER_SCORE: record,
+                TAG_MANIFEST: manifest,
             }
             for key, value in comparison_tags.items():
                 client.set_model_version_tag(name, mine, key, value)

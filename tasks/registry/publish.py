@@ -33,6 +33,7 @@ from tasks.training.checkpoint_weights import whole_weights
 # (Not imported here: importing it registers the model with MLflow's models-from-code loader.)
 PYFUNC_CODE = Path(__file__).parent / "pyfunc.py"
 MODEL_PACKAGE = Path(model_weights.__file__).parent
+MANIFEST_CODE = Path(__file__).parent / "manifest.py"  # the pyfunc checks its files before loading them
 
 
 def pip_requirements() -> list[str]:
@@ -60,7 +61,7 @@ def _save_pyfunc(path: Path, model: Model, checkpoint: CheckpointRef, tokenizer:
             "config": str(Path(checkpoint.path) / CONFIG_FILE),
         },
         model_config={"bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id},
-        code_paths=[str(MODEL_PACKAGE)],
+        code_paths=[str(MODEL_PACKAGE), str(MANIFEST_CODE)],
         signature=infer_signature(example, ["generated text"], params=DEFAULT_PARAMS),
         input_example=(example, {"max_new_tokens": 8}),
         pip_requirements=pip_requirements(),

@@ -1,7 +1,9 @@
 """MLflow pyfunc for llamaflow models, logged as code ("models from code"): nothing is pickled.
 
-MLflow copies this file into the model and runs it at load time, so it imports only `model` (shipped
-with the model through `code_paths`), torch, tokenizers and mlflow — never `tasks`. Artifacts:
+MLflow copies this file into the model and runs it at load time, so it imports only `model` and `manifest`
+(`tasks/registry/manifest.py`, both shipped with the model through `code_paths`), torch, tokenizers and
+mlflow — never `tasks`. Before loading anything it checks the model's files against the sha256 manifest its
+promotion decision recorded, when the registry it came from is the process's tracking store. Artifacts:
   weights   model.safetensors of the unwrapped module
   tokenizer tokenizer.json
   config    config.json (LlamaConfig.to_dict())
@@ -10,6 +12,7 @@ with the model through `code_paths`), torch, tokenizers and mlflow — never `ta
     mlflow.pyfunc.load_model("models:/llamaflow-demo@champion").predict(["def "])
 """
 
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -61,10 +64,33 @@ def resolve_params(params: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+def check_recorded_manifest(artifact: str) -> None:
+    """Refuse (manifest.TamperedModelError) a model whose files differ from the manifest the decision
+    recorded on the version made from it; nothing to check when no tracking store is set (a local copy) or
+    no decision recorded one."""
+    from manifest import recorded, verify
+    from mlflow.models import Model
+    from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+
+    root = next(p for p in Path(artifact).resolve().parents if (p / "MLmodel").is_file())
+    saved = Model.load(str(root))
+    if not (is_tracking_uri_set() and saved.run_id and saved.model_id):
+        return
+    versions = mlflow.MlflowClient().search_model_versions(f"run_id = '{saved.run_id}'")
+    for version in versions:
+        # A database store's search leaves model_id out; the source (the logged model's location) names it
+        made_from = version.model_id == saved.model_id or saved.model_id in str(version.source).split("/")
+        expected = recorded(version.tags or {}) if made_from else None
+        if expected is not None:
+            verify(root, expected, f"version {version.version} of {version.name!r}")
+            return
+
+
 class LlamaPyfunc(PythonModel):
     def load_context(self, context: PythonModelContext) -> None:
         from model import load_pretrained
 
+        check_recorded_manifest(context.artifacts["config"])
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = load_pretrained(context.artifacts["config"], context.artifacts["weights"], device=self.device)
         self.model = model.eval()
