@@ -33,11 +33,14 @@ class PhaseTimes:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def forward_backward(step_fn: torch.nn.Module, batches: Batches, device_type: str = "cpu") -> torch.Tensor:
-    """Backward of every micro-batch's summed loss over the step's target count; the last loss, unsynced."""
+def forward_backward(
+    step_fn: torch.nn.Module, batches: Batches, device_type: str = "cpu", autocast: bool = True
+) -> torch.Tensor:
+    """Backward of every micro-batch's summed loss over the step's target count; the last loss, unsynced.
+    `autocast=False`: fp32 throughout (the engine's `dtype: fp32`)."""
     scale = 1.0 / count_targets([targets for _, targets in batches])
     for inputs, targets in batches:
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
             loss = step_fn(inputs, targets)
         (loss * scale).backward()
     return loss
@@ -50,11 +53,12 @@ def bare_step(
     batches: Batches,
     grad_clip: float,
     times: PhaseTimes | None = None,
+    autocast: bool = True,
 ) -> float:
     """One bare step (module docstring); with `times`, each phase's seconds are added to it."""
     phase = times if times is not None else PhaseTimes()
     with phase("forward + backward"):
-        loss = forward_backward(step_fn, batches)
+        loss = forward_backward(step_fn, batches, autocast=autocast)
     with phase("clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     for name, part in optimizer.parts.items():

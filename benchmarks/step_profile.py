@@ -1,16 +1,18 @@
 """Where one optimizer step of a run preset goes on the CPU, against what its matmul peak allows.
 
     .venv/bin/python benchmarks/step_profile.py [--preset demo] [--vocab-size N] [--micro-batch-size N]
-        [--accumulate-steps N] [--muon-ns-steps N] [--steps 20] [--threads N] [--tag NAME]
+        [--accumulate-steps N] [--muon-ns-steps N] [--steps 20] [--threads N] [--dtype bf16|fp32] [--tag NAME]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python benchmarks/step_profile.py --dtype fp32 \
+        --tag fp32_avx2      # an AVX2 CPU's kernels (what `dtype: auto` trains there) on an AVX-512/AMX host
 
 Builds the preset's model and optimizer exactly as the engine does (`PretrainConfig(preset=...)`,
-`build_optimizer`, `LossHead` compiled, bf16 autocast, deterministic algorithms on CPU) and times, per step,
+`build_optimizer`, `LossHead` compiled, bf16 autocast or fp32 (`--dtype`), deterministic algorithms on CPU) and times, per step,
 the phases of the engine's step: forward + backward of every micro-batch, gradient clipping, each optimizer
 part and zero_grad. Then a torch.profiler pass over a few steps splits forward + backward by kernel: matmuls,
 inductor's fused kernels (the cross-entropy ones apart), the rest.
 
 FLOPs: the model's training FLOPs per step (`model.flops_per_token` x tokens) and Muon's Newton-Schulz
-matmuls (per matrix and iteration 4·m²·n + 2·m³, m ≤ n its sides). Against the bf16 matmul peak measured in
+matmuls (per matrix and iteration 4·m²·n + 2·m³, m ≤ n its sides). Against the matmul peak (of `--dtype`) measured in
 the same run this gives each phase's share of the peak and the **floor**: the time of the preset's whole run
 if every FLOP ran at the peak, which bounds what any kernel work can gain. Writes
 benchmarks/results/step_profile[_TAG].json and prints a markdown table.
@@ -58,7 +60,7 @@ def muon_flops_per_step(model: torch.nn.Module, ns_steps: int) -> float:
 
 
 def kernel_split(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int, autocast: bool
 ) -> dict[str, float]:
     """Self time per step of forward + backward, by kind of kernel."""
     from torch._inductor import config as inductor_config
@@ -66,7 +68,7 @@ def kernel_split(
     assert inductor_config.cpp.enable_kernel_profile  # set before compiling: names inductor's kernels
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            forward_backward(model, batches).item()
+            forward_backward(model, batches, autocast=autocast).item()
             for param in model.parameters():
                 param.grad = None
     split: dict[str, float] = defaultdict(float)
@@ -103,7 +105,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--peak-size", type=int, default=2048, help="n of the n³ bf16 matmul peak")
+    parser.add_argument("--peak-size", type=int, default=2048, help="n of the n³ matmul peak")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16 autocast, or fp32")
+    parser.add_argument(
+        "--no-native-bf16",
+        action="store_true",
+        help="build the optimizer as on a CPU without native bf16 (with AVX2 dispatch emulated on a bf16 host)",
+    )
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
 
@@ -111,6 +119,8 @@ def main() -> None:
 
     inductor_config.cpp.enable_kernel_profile = True
     threads = set_threads(args.threads)
+    autocast = args.dtype == "bf16"
+    peak_dtype = torch.bfloat16 if autocast else torch.float32
     device = torch.device("cpu")
     given = {
         "vocab_size": args.vocab_size,
@@ -127,6 +137,10 @@ def main() -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     plain = LlamaForPretraining(model_config).train()
+    if args.no_native_bf16:
+        from tasks.training import optim
+
+        optim.native_bf16 = lambda device_type: False  # type: ignore[assignment]
     optimizer = build_optimizer(plain, settings, device)
     model = torch.compile(LossHead(plain), dynamic=False)
     shape = (settings.micro_batch_size, config.seq_len)
@@ -141,7 +155,7 @@ def main() -> None:
     def timed_step() -> dict[str, float]:
         times = PhaseTimes()
         with times("step"):
-            bare_step(model, params, optimizer, batches, settings.grad_clip, times)
+            bare_step(model, params, optimizer, batches, settings.grad_clip, times, autocast=autocast)
         return times.seconds
 
     start = time.perf_counter()
@@ -151,8 +165,8 @@ def main() -> None:
         timed_step()
     runs = [timed_step() for _ in range(args.steps)]
     phases = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
-    split = kernel_split(model, batches, args.profile_steps)
-    peak = matmul_peak(device, torch.bfloat16, args.peak_size)["flops_per_s"]
+    split = kernel_split(model, batches, args.profile_steps, autocast)
+    peak = matmul_peak(device, peak_dtype, args.peak_size)["flops_per_s"]
     load_after = load_average()
 
     model_flops = flops_per_token(model_config, config.seq_len) * tokens
@@ -190,7 +204,13 @@ def main() -> None:
         "first_step_s": round(first_step_s, 1),
         "step_ms_median": round(step_s * 1e3, 1),
         "tokens_per_s": round(tokens / step_s),
-        "bf16_matmul_peak_gflops": round(peak / 1e9),
+        "dtype": args.dtype,
+        "muon": repr(optimizer.parts["muon"].__class__)
+        + f" ns_dtype={getattr(optimizer.parts['muon'], 'ns_dtype', torch.bfloat16)}"
+        if "muon" in optimizer.parts
+        else None,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "matmul_peak_gflops": round(peak / 1e9),
         "phases": rows,
         "forward_backward_kernels": kernels,
         "flops_per_step_g": round((model_flops + muon_flops) / 1e9, 1),
@@ -200,7 +220,7 @@ def main() -> None:
         "run_training_s_measured_rate": round(run_steps * step_s, 1),
         "run_training_s_floor": round(run_steps * floor_step_s, 1),
     }
-    print(markdown_table(["phase", "ms / step", "share", "GFLOP", "of bf16 peak"], table))
+    print(markdown_table(["phase", "ms / step", "share", "GFLOP", f"of {args.dtype} peak"], table))
     print(
         markdown_table(
             ["forward + backward by kernel", "ms / step", "share"],
@@ -209,7 +229,7 @@ def main() -> None:
     )
     print(
         f"step {step_s * 1e3:.0f} ms ({tokens / step_s:,.0f} tokens/s), {result['flops_per_step_g']} GFLOP: "
-        f"{result['achieved_of_peak']:.0%} of the measured bf16 peak ({peak / 1e9:,.0f} GFLOP/s). At the peak "
+        f"{result['achieved_of_peak']:.0%} of the measured {args.dtype} peak ({peak / 1e9:,.0f} GFLOP/s). At the peak "
         f"the step would take {floor_step_s * 1e3:.0f} ms: {run_steps} steps >= {run_steps * floor_step_s:.0f} s "
         f"(at the measured rate {run_steps * step_s:.0f} s). Load {load_before} -> {load_after}."
     )

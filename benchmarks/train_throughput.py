@@ -64,6 +64,9 @@ VARIANTS: dict[str, tuple[str, bool, str]] = {
     "ours-compiled-fp32": ("ours", True, "fp32"),
     # The attention lever: our model forced back onto SDPA (torch's CPU flash kernel), loss in the graph.
     "ours-compiled-bf16-loss-in-graph-sdpa": ("ours", True, "bf16"),
+    # fp32 (what `dtype: auto` trains on CPUs without bf16 in hardware), the loss in the graph on both sides.
+    "ours-compiled-fp32-loss-in-graph": ("ours", True, "fp32"),
+    "hf-compiled-fp32-loss-in-graph": ("hf", True, "fp32"),
 }
 DEFAULT_VARIANTS = [
     "ours-eager-fp32",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 # Where the code is (the directory holding the `tasks` package; site-packages after `pip install .`):
@@ -25,6 +26,13 @@ MLRUNS_ENV = "LLAMAFLOW_MLRUNS"
 # deployment parameters, result files): resolved again against the reader's own home.
 HOME_MARK = "$LLAMAFLOW_HOME"
 _DEFAULTED: set[str] = set()  # locations this process took from the working directory
+
+
+def child_pythonpath(env: Mapping[str, str]) -> str:
+    """PYTHONPATH for a child process of ours: the project's code, then every entry `env` already had (the
+    user's, e.g. the GPU image's unpacked wheels), made absolute for a child in another working directory."""
+    given = [str(Path(entry).resolve()) for entry in (env.get("PYTHONPATH") or "").split(os.pathsep) if entry]
+    return os.pathsep.join(dict.fromkeys([str(PROJECT_ROOT), *given]))
 
 
 def home() -> Path:

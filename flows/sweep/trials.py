@@ -35,7 +35,7 @@ from flows.services.processes import start_mark
 from flows.sweep.runs import RUN_CONTEXT_ENV, TAG_KEY, RunWatch, SweepContext, TrialOutcome, TrialPlan
 from flows.sweep.spec import METRICS, tokens_per_step
 from flows.sweep.study import keep_alive, release
-from tasks.home import PROJECT_ROOT
+from tasks.home import child_pythonpath
 from tasks.tracking.runs import FLOW_RUN_TAG
 from tasks.training.checkpoint import checkpoint_dirs
 
@@ -159,7 +159,7 @@ class LocalTrial:
         config.write_text(yaml.safe_dump(self.plan.values, sort_keys=False))
         env = dict(os.environ)
         env["PREFECT_API_URL"] = self.ctx.api_url
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = child_pythonpath(env)
         context = json.loads(env.get(RUN_CONTEXT_ENV) or "{}")
         env[RUN_CONTEXT_ENV] = json.dumps({**context, TAG_KEY: self.plan.key})
         if self.ctx.at_once > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores

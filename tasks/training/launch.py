@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from model.atomic import write_text_atomic
-from tasks.home import HOME_ENV, MLRUNS_ENV, PROJECT_ROOT, home, mlruns_dir
+from tasks.home import HOME_ENV, MLRUNS_ENV, child_pythonpath, home, mlruns_dir
 from tasks.refs import CheckpointRef, DatasetRef, ModelRef
 from tasks.training import rendezvous, storage
 from tasks.training.budget import BudgetTerms
@@ -159,7 +159,7 @@ def _fit_with_torchrun(
     command = rendezvous.torchrun_command(settings, spec_path, run_dir)
     env = dict(os.environ)
     env.update(openmp_env(env))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = child_pythonpath(env)
     env[HOME_ENV], env[MLRUNS_ENV] = str(home()), str(mlruns_dir())  # the ranks see this process's places
     # Workers get a TCP store of their own per rendezvous round, not the agent's: with the shared one a
     # restarted group reads the dead group's addresses and cannot connect (pytorch issues 135712, 167288).

@@ -24,7 +24,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon for parameters that FSDP2 shards by rows over a 1-D device mesh."""
+    """torch.optim.Muon for parameters that FSDP2 shards by rows over a 1-D device mesh (or whole ones), with
+    the Newton-Schulz matmuls in `ns_dtype`: bf16 as torch.optim.Muon, or fp32 where bf16 matmuls are
+    emulated (an AVX2 CPU, where they run several times slower than fp32)."""
+
+    def __init__(
+        self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any
+    ) -> None:
+        super().__init__(params, *args, **kwargs)
+        # Not in the param groups: the state dict, hence checkpoints, stay torch.optim.Muon's.
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: ANN401 (torch's signature)
@@ -43,7 +52,8 @@ class ShardedMuon(torch.optim.Muon):
                 buf.lerp_(grad, 1 - group["momentum"])
                 updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
             ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-            for param, update in zip(params, orthogonalise_whole(params, updates, *ns), strict=True):
+            orthogonal = orthogonalise_whole(params, updates, *ns, dtype=self.ns_dtype)
+            for param, update in zip(params, orthogonal, strict=True):
                 lr = group["lr"]
                 local = _local(param)
                 local.mul_(1 - lr * group["weight_decay"])
@@ -52,17 +62,21 @@ class ShardedMuon(torch.optim.Muon):
 
 
 def newton_schulz(
-    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    matrix: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """An approximate orthogonalisation of `matrix` (its singular values moved towards 1, its singular
-    vectors kept), in bf16: `steps` rounds of the odd quintic X <- aX + (bA + cA^2)X with A = X X^T, from X
+    vectors kept), in `dtype` (bf16 as torch.optim.Muon): `steps` rounds of the odd quintic X <- aX + (bA + cA^2)X with A = X X^T, from X
     scaled to a Frobenius norm of 1 (so every singular value starts within (0, 1]). Worked on the wide
-    orientation, so A is the smaller Gram matrix. The result has `matrix`'s shape, in bf16."""
+    orientation, so A is the smaller Gram matrix. The result has `matrix`'s shape, in `dtype`."""
     if matrix.ndim != 2:
         raise ValueError(f"Newton-Schulz orthogonalises a matrix, got shape {tuple(matrix.shape)}")
     a, b, c = coefficients
     tall = matrix.shape[0] > matrix.shape[1]
-    x = matrix.bfloat16()
+    x = matrix.to(dtype)
     if tall:
         x = x.mT
     x = x / x.norm().clamp(min=eps)
@@ -95,6 +109,7 @@ def orthogonalise_whole(
     ns_coefficients: tuple[float, float, float],
     ns_steps: int,
     eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
     """This rank's rows of the Newton-Schulz orthogonalisation of each whole matrix, `updates[k]` being
     this rank's rows of parameter k's update. Matrix k is orthogonalised on rank k % world."""
@@ -103,7 +118,7 @@ def orthogonalise_whole(
     works = []
     for k, (param, update) in enumerate(zip(params, updates, strict=True)):
         if not isinstance(param, DTensor):  # a whole matrix already (one process, DDP)
-            results[k] = newton_schulz(update, ns_coefficients, ns_steps, eps)
+            results[k] = newton_schulz(update, ns_coefficients, ns_steps, eps, dtype)
             continue
         group, rows_per_rank = _row_sharding(param, update)
         world, me = group.size(), dist.get_rank(group)
@@ -122,7 +137,7 @@ def orthogonalise_whole(
         scatter_list = None
         if parts is not None:
             whole = torch.cat(parts)[:rows]
-            ortho = newton_schulz(whole, ns_coefficients, ns_steps, eps)
+            ortho = newton_schulz(whole, ns_coefficients, ns_steps, eps, dtype)
             # Sent in the update's dtype (exact for bf16): the rank adds it as a whole run would.
             padded = ortho.new_zeros((rows_per_rank * group.size(), cols), dtype=updates[k].dtype)
             padded[:rows] = ortho

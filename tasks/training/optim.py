@@ -3,7 +3,7 @@
 Parameters fall into four roles, each an AdamW parameter group with its own peak learning rate:
   hidden  2-D weights inside the decoder blocks (attention and MLP projections): AdamW with weight decay,
           or Muon with `optimizer="muon"` (`ShardedMuon` when FSDP2 shards them: each matrix orthogonalised
-          whole);
+          whole; or where bf16 matmuls are emulated: it orthogonalises in fp32);
   head    an untied output head (a matmul weight outside the layers): weight decay, `head_lr`;
   embed   embedding tables, a tied output head included: no weight decay, `embed_lr`;
   scalar  1-D parameters (norm gains): no weight decay, `scalar_lr`.
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from tasks.training.muon import ShardedMuon
 from tasks.training.parallelize import decoder_blocks
+from tasks.training.precision import native_bf16
 from tasks.training.settings import TrainSettings
 
 ROLES = ("hidden", "head", "embed", "scalar")
@@ -126,9 +127,12 @@ def build_optimizer(model: nn.Module, settings: TrainSettings, device: torch.dev
     if settings.optimizer == "muon":
         if not roles["hidden"]:
             raise ValueError("optimizer='muon' found no 2-D weights inside the decoder layers to optimize")
-        # torch.optim.Muon has a single-tensor path only (no foreach or fused implementation in torch 2.13).
+        # torch.optim.Muon has a single-tensor path only (no foreach or fused implementation in torch 2.13),
+        # and orthogonalises in bf16: where bf16 matmuls are emulated, ShardedMuon does it in fp32.
         sharded = any(isinstance(p, DTensor) for p in roles["hidden"])
-        parts["muon"] = (ShardedMuon if sharded else torch.optim.Muon)(
+        ns_dtype = torch.bfloat16 if native_bf16(device.type) else torch.float32
+        own = sharded or ns_dtype != torch.bfloat16
+        parts["muon"] = (ShardedMuon if own else torch.optim.Muon)(
             roles["hidden"],
             lr=settings.muon_lr,
             weight_decay=settings.muon_weight_decay,
@@ -136,5 +140,6 @@ def build_optimizer(model: nn.Module, settings: TrainSettings, device: torch.dev
             nesterov=True,
             ns_steps=settings.muon_ns_steps,
             adjust_lr_fn=settings.muon_adjust_lr,
+            **({"ns_dtype": ns_dtype} if own else {}),
         )
     return TrainOptimizer(parts)
