@@ -36,15 +36,15 @@ SERVICES_UP_ARGS = $(SERVICES_ARGS) $(if $(HOST),--host $(HOST)) $(if $(filter 1
 # Install also migrates the embedded Prefect server's database (PREFECT_HOME), once, instead of the first run
 # (8-10 s of a cold `make train` on 2 cores).
 # The installer: uv (put into the venv by pip) installs the same set as pip, with pip's sources and constraints
-# (tools/uv_options.py), in a fraction of pip's time (benchmarks/results/install_time.json). pip is the
+# (.ci/uv_options.py), in a fraction of pip's time (benchmarks/results/install_time.json). pip is the
 # fallback when uv cannot be had or fails; INSTALLER=pip uses pip alone.
 INSTALLER ?= uv
 INSTALL_SPEC = $(TORCH_CONSTRAINT) -e '.[dev,postgres,auth,dask]'
 PIP_INSTALL = $(VENV)/bin/python -m pip install --quiet --disable-pip-version-check
-$(STAMP): pyproject.toml constraints-cpu.txt tools/uv_options.py
+$(STAMP): pyproject.toml constraints-cpu.txt .ci/uv_options.py
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	if [ "$(INSTALLER)" = uv ] && $(PIP_INSTALL) uv && $(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python \
-		$$($(VENV)/bin/python tools/uv_options.py) -C editable_mode=compat $(INSTALL_SPEC); then :; \
+		$$($(VENV)/bin/python .ci/uv_options.py) -C editable_mode=compat $(INSTALL_SPEC); then :; \
 	else $(PIP_INSTALL) --config-settings editable_mode=compat $(INSTALL_SPEC); fi
 	$(VENV)/bin/prefect server database upgrade -y > /dev/null
 	touch $(STAMP)

@@ -3,7 +3,7 @@ pip's configuration (pip.conf files, PIP_* variables), so its sources and constr
 and `--index-strategy unsafe-best-match` gives pip's choice among several indexes (the best version from any,
 not the first index that has the name). Standard library only: it runs before anything is installed.
 
-    python tools/uv_options.py     # prints the options, one a line (the Makefile reads them)
+    python .ci/uv_options.py     # prints the options, one a line (the Makefile reads them)
 """
 
 from __future__ import annotations
