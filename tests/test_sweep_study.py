@@ -12,7 +12,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from flows.sweep import confirm
+from flows.sweep import confirm, loop
+from flows.sweep.claims import _take_over, claim_next, keep_alive, owner_gone, release
 from flows.sweep.report import params_key
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
@@ -21,14 +22,9 @@ from flows.sweep.study import (
     OWNER,
     STALE_AFTER_S,
     SpecChangedError,
-    _take_over,
-    claim_next,
-    keep_alive,
     open_storage,
     open_study,
     origin,
-    owner_gone,
-    release,
     retry,
     suggest,
 )
@@ -172,7 +168,8 @@ def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -
     study = optuna.create_study()
     a, b, c = {"lr": 0.001}, {"lr": 0.002}, {"lr": 0.003}
     first = [("base", {}), ("trial-0", a), ("trial-1", b)]
-    assert confirm.enqueue(study, first, spec.seeds) == 9
+    confirm.enqueue(study, first, spec.seeds)
+    assert confirm.finished(study, first, spec.seeds) == (0, 9) and len(study.trials) == 9
     values = {params_key(p): v for p, v in (({}, 1.0), (a, 0.5), (b, 0.9))}
     while waiting := study.get_trials(states=(TrialState.WAITING,)):
         trial = study.ask()
@@ -180,7 +177,8 @@ def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -
         assert len(study.get_trials(states=(TrialState.WAITING,))) == len(waiting) - 1
     # Later the ranks changed: b is best, then a new c. b's runs are found again, c gets runs of its own.
     later = [("base", {}), ("trial-1", b), ("trial-5", c)]
-    assert confirm.enqueue(study, later, spec.seeds) == 12
+    confirm.enqueue(study, later, spec.seeds)
+    assert confirm.finished(study, later, spec.seeds) == (6, 9) and len(study.trials) == 12
     new = study.get_trials(states=(TrialState.WAITING,))
     assert {t.system_attrs["fixed_params"]["candidate"] for t in new} == {params_key(c)}
     for _ in new:
@@ -209,3 +207,33 @@ def test_a_crashed_trial_is_retried_in_its_own_place_and_the_count_is_kept(study
     assert new is not None and new.params != first.params and origin(study, new.trial).number == 2
     study.tell(new.trial, 1.0)
     assert claim_next(study, 2, {0, 1, 2}, draw) is None
+
+
+def test_a_confirmation_stopped_and_rerun_twice_never_asks_for_an_empty_trial() -> None:
+    """The confirmation's trial taken over after a stop (FAIL, queued again), then two reruns: the work is
+    counted by configuration and seed, only queued trials run, and an empty trial an older sweep left
+    RUNNING is ended, not run (it used to make every later rerun fail with `'key'`)."""
+    study = optuna.create_study()
+    chosen, seeds = [("base", {}), ("trial-0", {"lr": 0.002})], [1, 2]
+    run = lambda c: study.tell(c.trial, 1.0 + c.params["seed"])  # noqa: E731
+    confirm.enqueue(study, chosen, seeds)
+    stopped = claim_next(study, None, set(), loop.attrs_of)
+    assert stopped is not None
+    release(stopped.trial)  # `stop`: the next run takes it over
+    for _ in range(3):  # the rerun, and two more
+        confirm.enqueue(study, chosen, seeds)
+        while (claimed := claim_next(study, None, set(), loop.attrs_of)) is not None:
+            run(claimed)
+    assert confirm.finished(study, chosen, seeds) == (4, 4)
+    assert (
+        all("key" in t.user_attrs for t in study.trials) and len(study.trials) == 5
+    )  # 4 and the stopped one
+    (verdict,) = confirm.verdicts(study, chosen, seeds)
+    assert verdict.candidate.values == verdict.base.values == [2.0, 3.0]
+
+    legacy = study.ask()  # what an older sweep's count left behind: RUNNING, no configuration's
+    legacy.set_user_attr(OWNER, {"released": True})
+    confirm.enqueue(study, chosen, seeds)
+    assert study.trials[legacy.number].state == TrialState.FAIL
+    assert claim_next(study, None, set(), loop.attrs_of) is None
+    assert len(study.trials) == 6 and not study.get_trials(states=(TrialState.WAITING,))

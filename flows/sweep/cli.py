@@ -19,6 +19,7 @@ import optuna
 from pydantic import ValidationError
 
 from flows.cli import describe_validation_error, end_quietly
+from flows.sweep.claims import owner_gone, request_stop, stop_requested
 from flows.sweep.flow import sweep
 from flows.sweep.spec import SweepSpec, load_spec
 from flows.sweep.study import (
@@ -29,9 +30,6 @@ from flows.sweep.study import (
     counts,
     existing_study,
     home_free,
-    owner_gone,
-    request_stop,
-    stop_requested,
     storage_url,
 )
 from tasks.credentials import redact

@@ -27,6 +27,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from flows.sweep import confirm, loop
+from flows.sweep.claims import Claimed, stop_requested
 from flows.sweep.command import pretrain_command
 from flows.sweep.gpus import GpuPool, host_gpus, trials_at_once
 from flows.sweep.parents import pin_parents
@@ -43,11 +44,9 @@ from flows.sweep.report import (
 from flows.sweep.runs import SweepContext, TrialPlan
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
-    Claimed,
     counts,
     home_free,
     open_study,
-    stop_requested,
     storage_url,
     study_uid,
     suggest,
@@ -199,8 +198,11 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
     study_of_seeds = open_study(
         spec, suffix=".confirm", pruned=False, sampler=optuna.samplers.RandomSampler(seed=spec.seed)
     )
-    total = confirm.enqueue(study_of_seeds, chosen, spec.seeds)
-    print(f"confirmation: {len(chosen)} configurations x {len(spec.seeds)} seeds")
+    confirm.enqueue(study_of_seeds, chosen, spec.seeds)
+    done, total = confirm.finished(study_of_seeds, chosen, spec.seeds)
+    print(
+        f"confirmation: {len(chosen)} configurations x {len(spec.seeds)} seeds ({done} of {total} finished)"
+    )
 
     def plan_for(claimed: Claimed) -> TrialPlan:
         a, key = claimed.params, trial_key(study_of_seeds, claimed.trial)
@@ -210,7 +212,7 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
             ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key
         )
 
-    loop.run_trials(study_of_seeds, ctx, total, plan_for, draw=loop.attrs_of)
+    loop.run_trials(study_of_seeds, ctx, None, plan_for, draw=loop.attrs_of)  # the queue is the work
     result = confirm.verdicts(study_of_seeds, chosen, spec.seeds)
     if not result:
         print("confirmation: the best configurations are the base itself; nothing to compare")

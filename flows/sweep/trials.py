@@ -32,9 +32,9 @@ from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
+from flows.sweep.claims import keep_alive, release
 from flows.sweep.runs import RUN_CONTEXT_ENV, TAG_KEY, RunWatch, SweepContext, TrialOutcome, TrialPlan
 from flows.sweep.spec import METRICS, tokens_per_step
-from flows.sweep.study import keep_alive, release
 from tasks.home import PROJECT_ROOT
 from tasks.tracking.runs import FLOW_RUN_TAG
 from tasks.training.checkpoint import checkpoint_dirs
