@@ -9,7 +9,6 @@ import os
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -17,10 +16,10 @@ from typing import Any
 
 import optuna
 import psutil
-from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
 from flows.services.processes import start_mark
+from flows.sweep.rungs import counted_once
 from flows.sweep.study import (
     ENDED,
     FINISHED,
@@ -30,7 +29,6 @@ from flows.sweep.study import (
     STALE_AFTER_S,
     STOP_REQUESTED,
     STOPPED,
-    RetryCallback,
     _requeue,
     origin,
 )
@@ -87,11 +85,7 @@ def claim_next(
             return None
     else:
         trials = study.get_trials(deepcopy=False)
-        with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):
-            retried = {number for t in trials for number in RetryCallback.retry_history(t)}
-        finished = sum(
-            t.state in FINISHED and t.number not in retried for t in trials
-        )  # a retried FAIL: its retry
+        finished = sum(t.state in FINISHED for t in counted_once(trials))  # a retried FAIL: its retry
         running = sum(t.state == TrialState.RUNNING for t in trials)
         if finished + running >= total:
             return None

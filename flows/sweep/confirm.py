@@ -11,12 +11,12 @@ from contextlib import suppress
 from typing import Any
 
 import optuna
-from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from flows.sweep.report import Verdict, compare, corrected, params_key
+from flows.sweep.rungs import counted_once
 from flows.sweep.spec import SweepSpec, trial_values
-from flows.sweep.study import RetryCallback
 
 BASE = "base"
 EMPTY = "no configuration's: an empty trial an older sweep asked for; ended unrun"
@@ -58,12 +58,10 @@ def finished(
     there are: counted by configuration and seed, never by the study's trials (retries and takeovers add
     trials, not work)."""
     wanted = {(params_key(params), seed) for _, params in chosen for seed in seeds}
-    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):
-        retried = {n for t in confirm.get_trials(deepcopy=False) for n in RetryCallback.retry_history(t)}
     done = {
         (t.user_attrs.get("key"), t.user_attrs.get("seed"))
-        for t in confirm.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        if t.state == TrialState.COMPLETE or t.number not in retried
+        for t in counted_once(confirm.get_trials(deepcopy=False))
+        if t.state in (TrialState.COMPLETE, TrialState.FAIL)
     }
     return len(wanted & done), len(wanted)
 

@@ -30,14 +30,10 @@ import optuna
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
+from flows.sweep.rungs import Asha, RetryCallback
 from flows.sweep.spec import SweepSpec, check_storage, is_integer
 from tasks import home
 from tasks.credentials import redact_uri
-
-try:  # Optuna >= 4.9's name; RetryFailedTrialCallback, the same class, is its deprecated alias
-    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
-except ImportError:  # Optuna < 4.9
-    from optuna.storages import RetryFailedTrialCallback as RetryCallback  # type: ignore[no-redef]
 
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
 STALE_AFTER_S = 180.0
@@ -130,9 +126,7 @@ def sampler_of(spec: SweepSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
 def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:
     if spec.pruner.name == "none":
         return optuna.pruners.NopPruner()
-    return optuna.pruners.SuccessiveHalvingPruner(
-        min_resource=spec.first_rung(), reduction_factor=spec.pruner.reduction_factor
-    )
+    return Asha(min_resource=spec.first_rung(), reduction_factor=spec.pruner.reduction_factor)
 
 
 def open_study(
