@@ -248,14 +248,14 @@ def test_the_benchmark_specs_are_valid(path: Path) -> None:
     assert load_spec(path).n_trials >= 2  # every value of every dimension checked against PretrainConfig
 
 
-def test_trials_at_once_are_as_many_as_the_gpus_hold() -> None:
+def test_trials_at_once_are_as_many_as_the_gpus_hold(tmp_path: Path) -> None:
     spec = check_spec({**GOOD, "gpus_per_trial": 2})
     assert trials_at_once(spec, ["0", "1", "2", "3", "4"]) == 2
     assert trials_at_once(spec.model_copy(update={"parallel": 1}), ["0", "1", "2", "3"]) == 1
     assert trials_at_once(check_spec(GOOD), ["0", "1"]) == 1  # without gpus_per_trial: parallel's default
     with pytest.raises(ValueError, match="gpus_per_trial=2 but this host has 1 GPU"):
         trials_at_once(spec, ["0"])
-    pool = GpuPool(["2", "3", "5", "7"], 2)
+    pool = GpuPool(["2", "3", "5", "7"], 2, locks=tmp_path)
     first, second = pool.take(), pool.take()
     assert first == ["2", "3"] and second == ["5", "7"]
     pool.give_back(first)

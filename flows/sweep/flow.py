@@ -151,7 +151,7 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         # concurrency leases in memory, so a slot it counted would outlive a kill -9 of this process.
         if PREFECT_API_URL.value():
             limit = spec.concurrency_limit or _default_limit(spec, client)
-            _ensure_limit(client, limit, at_once)
+            _ensure_limit(client, limit, at_once, own=spec.concurrency_limit is not None)
     uid, directory = study_uid(study), trials_dir(spec.name, study)
     pins = pin_parents(spec, study, uri)
     gpus = (
@@ -171,8 +171,10 @@ def _default_limit(spec: SweepSpec, client: Any) -> str:
     return f"llamaflow-sweeps-{pool}"
 
 
-def _ensure_limit(client: Any, name: str, slots: int) -> None:
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+def _ensure_limit(client: Any, name: str, slots: int, *, own: bool) -> None:
+    """The limit, created with `slots`; the host's default one (`own` False) is raised to the largest
+    `parallel` asked for, so the first sweep on a host does not hold the others to its own."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
     from prefect.exceptions import ObjectNotFound
 
     try:
@@ -181,11 +183,16 @@ def _ensure_limit(client: Any, name: str, slots: int) -> None:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
         print(f"concurrency limit {name!r} created with {slots} slots, shared by every sweep that uses it")
         return
-    if found.limit < slots:
-        print(
-            f"note: concurrency limit {name!r} holds {found.limit} slots, fewer than parallel={slots}: trials wait "
-            f"for a slot (raise it with `prefect gcl update {name} --limit {slots}`)"
-        )
+    if found.limit >= slots:
+        return
+    if not own:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=slots))
+        print(f"concurrency limit {name!r} raised from {found.limit} to {slots} slots (parallel={slots})")
+        return
+    print(
+        f"note: concurrency limit {name!r} holds {found.limit} slots, fewer than parallel={slots}: trials wait "
+        f"for a slot (raise it with `prefect gcl update {name} --limit {slots}`)"
+    )
 
 
 # ---------------------------------------------------------------------- confirmation and the winner

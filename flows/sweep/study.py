@@ -46,6 +46,7 @@ STOP_REQUESTED = "stop_requested"  # a study user attribute: when `python -m flo
 # The study's own id, made when it is created: Optuna's study and trial ids start again at 0 in a new
 # storage, so a sweep started over under the same name would reuse them.
 STUDY_UID = "uid"
+SAMPLER_SEED = "sampler_seed"  # a trial's user attribute: the seed its values were drawn with
 # What a study's results depend on: a rerun must give the same (`parallel`, `launch`, `storage`, ... may change).
 RESULT_FIELDS = (
     "base",
@@ -108,19 +109,28 @@ class _Grid(optuna.samplers.GridSampler):
         return None
 
 
-def sampler_of(spec: SweepSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, seeded with `spec.seed` plus the trials the study already asked: a resumed sweep
-    draws on from there instead of repeating its first draws."""
-    seed = spec.seed + asked
+def sampler_of(spec: SweepSpec, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded with `seed` (default `spec.seed`). A grid picks its next point as a trial
+    is asked: it is seeded with `spec.seed` plus the trials asked (`open_study`); random and TPE draw as
+    the trial suggests its values, each trial from a stream of its own (`draw_seed`)."""
+    seed = spec.seed if seed is None else seed
     if spec.sampler == "grid":
         return _Grid({k: d.values() for k, d in spec.space.items()}, seed=seed)
     if spec.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. Trials
-    # side by side: the running ones count as their worst (constant liar), so they are not drawn twice.
+    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. The
+    # running trials count as their worst (constant liar), so trials side by side, in this process or
+    # another sweep process on the study, are not drawn alike; with one at a time none runs but its own.
     startup = max(2, min(10, spec.n_trials // 3))
-    side_by_side = (spec.parallel or 1) > 1 or spec.gpus_per_trial > 0
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=side_by_side)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
+
+
+def draw_seed(spec: SweepSpec, number: int) -> int:
+    """The sampler seed of trial `number`: the storage numbers a study's trials once, across every process
+    that runs it, so no two trials share a stream (two sweep processes used to draw the same values in
+    pairs), and a rerun draws each trial as the first run did."""
+    digest = hashlib.blake2b(f"{spec.seed}:{number}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
 
 
 def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:
@@ -146,8 +156,8 @@ def open_study(
         direction="minimize",
         load_if_exists=True,
     )
-    if sampler is None and study.trials:
-        study.sampler = sampler_of(spec, asked=len(study.trials))
+    if sampler is None and study.trials and spec.sampler == "grid":  # a resumed grid picks on from there
+        study.sampler = sampler_of(spec, seed=spec.seed + len(study.trials))
     fingerprint = search_fingerprint(spec)
     recorded = study.user_attrs.get("search")
     if recorded is None:
@@ -235,6 +245,11 @@ def spec_record(spec: SweepSpec) -> dict[str, Any]:
 def suggest(trial: optuna.trial.Trial, spec: SweepSpec) -> dict[str, Any]:
     """The trial's values, drawn by the study's sampler (a grid draws every dimension from its values)."""
     params: dict[str, Any] = {}
+    fixed = "fixed_params" in trial.study._storage.get_trial_system_attrs(trial._trial_id)  # a retry's
+    if spec.sampler != "grid" and not fixed:
+        seed = draw_seed(spec, trial.number)
+        trial.study.sampler = sampler_of(spec, seed)
+        trial.set_user_attr(SAMPLER_SEED, seed)
     for name, dim in spec.space.items():
         if spec.sampler == "grid" or dim.choices is not None:
             params[name] = trial.suggest_categorical(name, dim.values())

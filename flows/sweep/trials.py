@@ -172,7 +172,11 @@ class LocalTrial:
         if self.ctx.at_once > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.at_once))
         if self.ctx.gpus is not None:
-            self.devices = self.ctx.gpus.take()
+            self.devices = self.ctx.gpus.take(self.ctx.stopping)
+            if not self.devices:
+                raise SweepInterrupted(
+                    f"trial {self.plan.number} stopped with its sweep while it waited for GPUs"
+                )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         command = [sys.executable, "-m", "flows.sweep.child", str(os.getpid()), "--config", str(config)]
         with self.log.open("ab") as out:
