@@ -59,6 +59,7 @@ RESULT_FIELDS = (
     "seed",
     "seeds",
     "confirm_top",
+    "gpus_per_trial",  # a trial's ranks (nproc_per_node), so its global batch; base holds nnodes and the rest
 )
 
 
