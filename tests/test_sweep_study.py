@@ -17,6 +17,7 @@ from flows.sweep.claims import _take_over, claim_next, keep_alive, owner_gone, r
 from flows.sweep.report import params_key
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
+    CRASHED,
     ENDED,
     HEARTBEAT,
     OWNER,
@@ -237,3 +238,23 @@ def test_a_confirmation_stopped_and_rerun_twice_never_asks_for_an_empty_trial() 
     assert study.trials[legacy.number].state == TrialState.FAIL
     assert claim_next(study, None, set(), loop.attrs_of) is None
     assert len(study.trials) == 6 and not study.get_trials(states=(TrialState.WAITING,))
+
+
+def test_takeovers_use_up_no_crash_retry(study: optuna.Study) -> None:
+    """A trial taken over twice (its sweep stopped, then killed) and then crashed still gets its one crash
+    retry; a second crash of the line does not (Optuna's own count would have refused the first)."""
+    claimed = claim_next(study, 1, set(), draw)
+    assert claimed is not None
+    for _ in range(2):
+        release(claimed.trial)
+        claimed = claim_next(study, 1, set(), draw)  # the next sweep process
+        assert claimed is not None and claimed.adopted
+    claimed.trial.set_user_attr(ENDED, CRASHED)
+    study.tell(claimed.trial, state=TrialState.FAIL)
+    assert retry(study, claimed.trial, max_retries=1)
+    again = claim_next(study, 1, {0, 1, 2}, draw)
+    assert again is not None and again.params == claimed.params and origin(study, again.trial).number == 0
+    again.trial.set_user_attr(ENDED, CRASHED)
+    study.tell(again.trial, state=TrialState.FAIL)
+    assert not retry(study, again.trial, max_retries=1)
+    assert claim_next(study, 1, {0, 1, 2, 3}, draw) is None

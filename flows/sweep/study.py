@@ -210,11 +210,20 @@ def origin(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> Froz
 
 def retry(study: optuna.Study, trial: optuna.trial.Trial, max_retries: int) -> bool:
     """Enqueue `trial`, just told FAIL after a crash for infrastructure reasons (`ENDED` set to CRASHED
-    before), to run again (Optuna's retry callback, at most `max_retries` times a trial): whether it was."""
+    before), to run again (Optuna's retry callback), unless its line has crashed `max_retries` times
+    already: whether it was. A takeover (its sweep stopped or killed, `ENDED` STOPPED) is no crash and
+    uses up none of them (Optuna's own count, `max_retry`, counts every trial of the line)."""
     frozen = copy.deepcopy(study._storage.get_trial(trial._trial_id))  # the callback appends to its history
-    before = len(study.get_trials(deepcopy=False))
-    _requeue(study, frozen, max_retries)
-    return len(study.get_trials(deepcopy=False)) > before
+    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):  # stable since v2.8
+        line = RetryCallback.retry_history(frozen)
+    trials = study.get_trials(deepcopy=False)
+    crashed_before = sum(
+        trials[n].user_attrs.get(ENDED) != STOPPED for n in line
+    )  # the rest: retried crashes
+    if crashed_before >= max_retries:
+        return False
+    _requeue(study, frozen, None)
+    return True
 
 
 def _requeue(study: optuna.Study, frozen: FrozenTrial, max_retries: int | None) -> None:
