@@ -55,6 +55,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
         "LLAMAFLOW_HOME": str(root / "home"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
         "LLAMAFLOW_SWEEP_POLL_S": "0.5",
+        "LLAMAFLOW_SWEEP_GPU_LOCKS": str(root / "gpu-locks"),  # the host's GPU leases: this test's own
         "OMP_NUM_THREADS": "1",
     }
     with prefect_server(root / "prefect", base_env) as (_, env):
