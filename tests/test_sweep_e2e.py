@@ -55,6 +55,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
         "LLAMAFLOW_HOME": str(root / "home"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
         "LLAMAFLOW_SWEEP_POLL_S": "0.5",
+        "LLAMAFLOW_SWEEP_GPU_LOCKS": str(root / "gpu-locks"),  # the host's GPU leases: this test's own
         "OMP_NUM_THREADS": "1",
     }
     with prefect_server(root / "prefect", base_env) as (_, env):
@@ -401,3 +402,67 @@ def test_a_diverged_trial_fails_and_is_not_retried(world: tuple) -> None:
     (trial,) = _study(root, name).get_trials()  # no retry queued
     assert trial.state == TrialState.FAIL and "non-finite training at step 2" in trial.user_attrs["message"]
     assert "ended" not in trial.user_attrs
+
+
+def test_a_confirmation_stopped_then_rerun_twice_ends_with_one_verdict(world: tuple) -> None:
+    """`stop` during the seed confirmation, a rerun that finishes it, and one more with `--register`: each
+    configuration and seed confirmed once (the stopped trial continued, none run twice), the same verdict,
+    and no empty trial asked of Optuna (it used to fail every later rerun with `'key'`)."""
+    root, env, data = world
+    name = "confirm-stopped"
+    spec = {
+        "name": name,
+        "base": {**BASE, **data, "max_steps": 20, "checkpoint_every": 5, "eval_max_blocks": 2},
+        "space": {"lr": {"choices": [0.002]}},
+        "sampler": "grid",
+        "seeds": [1, 2],
+    }
+    log, path = root / f"{name}.log", root / f"{name}.yaml"
+    # Slow checkpoints in the first run only: the confirmation cannot end before `stop` lands.
+    first = _sweep(root, {**env, "LLAMAFLOW_FAULT_INJECT": "checkpoint_delay_s=1"}, spec)
+
+    def confirming() -> bool:
+        if first.poll() is not None:
+            raise AssertionError(f"the sweep ended before it was stopped:\n{tail(log)}")
+        return _checkpointed_like(root, name, "confirm-*")
+
+    try:
+        _wait(confirming, 600, "a checkpoint of a confirmation trial", log)
+        assert _command(env, "stop", str(path)).returncode == 0
+        assert first.wait(timeout=120) == 130, tail(log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first.pid, signal.SIGKILL)
+    assert _sweep(root, env, spec).wait(timeout=600) == 0, tail(log)
+    path.write_text(yaml.safe_dump(spec))
+    third = subprocess.Popen(
+        [sys.executable, "-m", "flows.sweep", str(path), "--register"],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+    assert third.wait(timeout=600) == 0, tail(log)
+
+    confirmation = optuna.load_study(study_name=f"{name}.confirm", storage=_study(root, name)._storage)
+    trials = confirmation.get_trials()
+    done = [(t.user_attrs["key"], t.user_attrs["seed"]) for t in trials if t.state == TrialState.COMPLETE]
+    assert len(done) == len(set(done)) == 4  # base and trial-0, seeds 1 and 2, each once
+    assert [t.user_attrs["ended"] for t in trials if t.state == TrialState.FAIL] == ["sweep stopped"]
+    assert len(trials) == 5 and all("key" in t.user_attrs for t in trials)
+    text = log.read_text()
+    assert "confirmation: 2 configurations x 2 seeds (4 of 4 finished)" in text
+    assert text.count("confirmation over seeds [1, 2]") == 2  # the rerun's verdict, then the same once more
+    assert "nothing registered" in text or "registered: models:/" in text
+    runs = [r.info.run_name for r in _runs(env) if r.info.run_name.startswith(f"{name}-confirm-")]
+    assert len(runs) == len(set(runs)) == 4  # the stopped trial's run continued, not a second one
+
+
+def _checkpointed_like(root: Path, name: str, pattern: str) -> bool:
+    """Whether a trial whose label matches `pattern` has written a checkpoint."""
+    if not (root / "home" / "sweeps" / name / "optuna.journal").is_file():
+        return False
+    try:
+        return any(_trials_dir(root, name).glob(f"{pattern}/run/step_*"))
+    except KeyError:  # the study, or its id, not written yet
+        return False

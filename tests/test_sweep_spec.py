@@ -138,7 +138,14 @@ def test_the_printed_command_gives_the_trials_configuration() -> None:
     assert search_fingerprint(spec) == search_fingerprint(
         spec.model_copy(update={"parallel": 3, "launch": "deployment"})
     )
-    for changed in ({"trials": 2}, {"seeds": [1, 2]}, {"confirm_top": 2}, {"pruner": Pruner(name="none")}):
+    for changed in (
+        {"trials": 2},
+        {"seeds": [1, 2]},
+        {"confirm_top": 2},
+        {"pruner": Pruner(name="none")},
+        {"gpus_per_trial": 1},  # a trial's ranks: its global batch
+        {"base": {**spec.base, "nnodes": 2}},
+    ):
         assert search_fingerprint(spec) != search_fingerprint(spec.model_copy(update=changed)), changed
 
 
@@ -170,6 +177,34 @@ def test_rungs_count_the_same_tokens_for_every_trial_whatever_its_batch() -> Non
     # A step budget counts steps for every trial: eval_every stays the base's.
     steps = check_spec({**GOOD, "budget": {"steps": 40}, "space": {"micro_batch_size": {"choices": [2, 16]}}})
     assert PretrainConfig(**trial_values(steps, {"micro_batch_size": 16})).eval_every == 10
+
+
+def test_a_token_budget_whose_rungs_some_trial_cannot_meet_is_refused_naming_a_first_rung_all_meet() -> None:
+    """Steps of 320 tokens (micro_batch_size 5) cannot score at the 2,048-token first rung (the base's 8
+    steps of 256): judged at 3,840, 88% late. A first rung of 2,560 (both divide it) is met exactly."""
+    spec = {
+        "name": "late",
+        "base": {
+            "preset": "tiny",
+            "eval_every": 8,
+            "micro_batch_size": 4,
+            "accumulate_steps": 1,
+            "seq_len": 64,
+        },
+        "space": {"micro_batch_size": {"choices": [4, 5]}},
+        "sampler": "grid",
+        "pruner": "asha",
+        "budget": {"tokens": 100_000},
+    }
+    assert problems(spec) == [
+        "  pruner.min_resource: the rung at 2,048 tokens is met at 3,840 by a trial with micro_batch_size=5 (+88%, "
+        "more than 5%): its steps of 320 tokens do not divide the rungs. Give pruner.min_resource a multiple of "
+        "1,280 tokens (every trial's tokens per step divides it), e.g. 2,560"
+    ]
+    fixed = check_spec({**spec, "pruner": {"name": "asha", "min_resource": 2560}})
+    for batch in (4, 5):
+        config = PretrainConfig(**trial_values(fixed, {"micro_batch_size": batch}))
+        assert config.eval_every * tokens_per_step(config) == 2560
 
 
 def test_a_storage_that_is_neither_a_journal_nor_a_database_url_is_refused_naming_both(monkeypatch) -> None:
@@ -248,14 +283,14 @@ def test_the_benchmark_specs_are_valid(path: Path) -> None:
     assert load_spec(path).n_trials >= 2  # every value of every dimension checked against PretrainConfig
 
 
-def test_trials_at_once_are_as_many_as_the_gpus_hold() -> None:
+def test_trials_at_once_are_as_many_as_the_gpus_hold(tmp_path: Path) -> None:
     spec = check_spec({**GOOD, "gpus_per_trial": 2})
     assert trials_at_once(spec, ["0", "1", "2", "3", "4"]) == 2
     assert trials_at_once(spec.model_copy(update={"parallel": 1}), ["0", "1", "2", "3"]) == 1
     assert trials_at_once(check_spec(GOOD), ["0", "1"]) == 1  # without gpus_per_trial: parallel's default
     with pytest.raises(ValueError, match="gpus_per_trial=2 but this host has 1 GPU"):
         trials_at_once(spec, ["0"])
-    pool = GpuPool(["2", "3", "5", "7"], 2)
+    pool = GpuPool(["2", "3", "5", "7"], 2, locks=tmp_path)
     first, second = pool.take(), pool.take()
     assert first == ["2", "3"] and second == ["5", "7"]
     pool.give_back(first)

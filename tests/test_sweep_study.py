@@ -12,23 +12,20 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from flows.sweep import confirm
+from flows.sweep import confirm, loop
+from flows.sweep.claims import _take_over, claim_next, keep_alive, owner_gone, release
 from flows.sweep.report import params_key
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
+    CRASHED,
     ENDED,
     HEARTBEAT,
     OWNER,
     STALE_AFTER_S,
     SpecChangedError,
-    _take_over,
-    claim_next,
-    keep_alive,
     open_storage,
     open_study,
     origin,
-    owner_gone,
-    release,
     retry,
     suggest,
 )
@@ -172,7 +169,8 @@ def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -
     study = optuna.create_study()
     a, b, c = {"lr": 0.001}, {"lr": 0.002}, {"lr": 0.003}
     first = [("base", {}), ("trial-0", a), ("trial-1", b)]
-    assert confirm.enqueue(study, first, spec.seeds) == 9
+    confirm.enqueue(study, first, spec.seeds)
+    assert confirm.finished(study, first, spec.seeds) == (0, 9) and len(study.trials) == 9
     values = {params_key(p): v for p, v in (({}, 1.0), (a, 0.5), (b, 0.9))}
     while waiting := study.get_trials(states=(TrialState.WAITING,)):
         trial = study.ask()
@@ -180,7 +178,8 @@ def test_confirmation_finds_a_configurations_runs_by_its_values_not_its_rank() -
         assert len(study.get_trials(states=(TrialState.WAITING,))) == len(waiting) - 1
     # Later the ranks changed: b is best, then a new c. b's runs are found again, c gets runs of its own.
     later = [("base", {}), ("trial-1", b), ("trial-5", c)]
-    assert confirm.enqueue(study, later, spec.seeds) == 12
+    confirm.enqueue(study, later, spec.seeds)
+    assert confirm.finished(study, later, spec.seeds) == (6, 9) and len(study.trials) == 12
     new = study.get_trials(states=(TrialState.WAITING,))
     assert {t.system_attrs["fixed_params"]["candidate"] for t in new} == {params_key(c)}
     for _ in new:
@@ -209,3 +208,53 @@ def test_a_crashed_trial_is_retried_in_its_own_place_and_the_count_is_kept(study
     assert new is not None and new.params != first.params and origin(study, new.trial).number == 2
     study.tell(new.trial, 1.0)
     assert claim_next(study, 2, {0, 1, 2}, draw) is None
+
+
+def test_a_confirmation_stopped_and_rerun_twice_never_asks_for_an_empty_trial() -> None:
+    """The confirmation's trial taken over after a stop (FAIL, queued again), then two reruns: the work is
+    counted by configuration and seed, only queued trials run, and an empty trial an older sweep left
+    RUNNING is ended, not run (it used to make every later rerun fail with `'key'`)."""
+    study = optuna.create_study()
+    chosen, seeds = [("base", {}), ("trial-0", {"lr": 0.002})], [1, 2]
+    run = lambda c: study.tell(c.trial, 1.0 + c.params["seed"])  # noqa: E731
+    confirm.enqueue(study, chosen, seeds)
+    stopped = claim_next(study, None, set(), loop.attrs_of)
+    assert stopped is not None
+    release(stopped.trial)  # `stop`: the next run takes it over
+    for _ in range(3):  # the rerun, and two more
+        confirm.enqueue(study, chosen, seeds)
+        while (claimed := claim_next(study, None, set(), loop.attrs_of)) is not None:
+            run(claimed)
+    assert confirm.finished(study, chosen, seeds) == (4, 4)
+    assert (
+        all("key" in t.user_attrs for t in study.trials) and len(study.trials) == 5
+    )  # 4 and the stopped one
+    (verdict,) = confirm.verdicts(study, chosen, seeds)
+    assert verdict.candidate.values == verdict.base.values == [2.0, 3.0]
+
+    legacy = study.ask()  # what an older sweep's count left behind: RUNNING, no configuration's
+    legacy.set_user_attr(OWNER, {"released": True})
+    confirm.enqueue(study, chosen, seeds)
+    assert study.trials[legacy.number].state == TrialState.FAIL
+    assert claim_next(study, None, set(), loop.attrs_of) is None
+    assert len(study.trials) == 6 and not study.get_trials(states=(TrialState.WAITING,))
+
+
+def test_takeovers_use_up_no_crash_retry(study: optuna.Study) -> None:
+    """A trial taken over twice (its sweep stopped, then killed) and then crashed still gets its one crash
+    retry; a second crash of the line does not (Optuna's own count would have refused the first)."""
+    claimed = claim_next(study, 1, set(), draw)
+    assert claimed is not None
+    for _ in range(2):
+        release(claimed.trial)
+        claimed = claim_next(study, 1, set(), draw)  # the next sweep process
+        assert claimed is not None and claimed.adopted
+    claimed.trial.set_user_attr(ENDED, CRASHED)
+    study.tell(claimed.trial, state=TrialState.FAIL)
+    assert retry(study, claimed.trial, max_retries=1)
+    again = claim_next(study, 1, {0, 1, 2}, draw)
+    assert again is not None and again.params == claimed.params and origin(study, again.trial).number == 0
+    again.trial.set_user_attr(ENDED, CRASHED)
+    study.tell(again.trial, state=TrialState.FAIL)
+    assert not retry(study, again.trial, max_retries=1)
+    assert claim_next(study, 1, {0, 1, 2, 3}, draw) is None

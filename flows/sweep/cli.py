@@ -1,7 +1,7 @@
 """`python -m flows.sweep`: run a sweep, show where it stands, or stop it.
 
     python -m flows.sweep SPEC.yaml [--register]   # run it (or continue it: the same command after a stop)
-    python -m flows.sweep status SPEC.yaml         # its trials, who runs them, the dashboard command
+    python -m flows.sweep status SPEC.yaml [--json] # its trials (final and subset scores apart), owners
     python -m flows.sweep stop SPEC.yaml           # every process running it stops its trials and ends
 
 Exit codes as `python -m flows.pretrain`: 0 done, 1 failed, 2 bad input, 130 stopped.
@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 from pydantic import ValidationError
 
 from flows.cli import describe_validation_error, end_quietly
+from flows.sweep.claims import owner_gone, request_stop, stop_requested
 from flows.sweep.flow import sweep
+from flows.sweep.report import trial_row, trial_rows
 from flows.sweep.spec import SweepSpec, load_spec
 from flows.sweep.study import (
     HEARTBEAT,
@@ -29,9 +33,6 @@ from flows.sweep.study import (
     counts,
     existing_study,
     home_free,
-    owner_gone,
-    request_stop,
-    stop_requested,
     storage_url,
 )
 from tasks.credentials import redact
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             help="Train and register the winner under the base's model name (default: the spec's "
             "`register_winner`)",
         )
+    if command == "status":
+        parser.add_argument("--json", action="store_true", help="Print it as one JSON object")
     args = parser.parse_args(argv if command == "run" else argv[1:])
     apply_embedded_defaults()
     try:
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         if command == "status":
-            return status(spec)
+            return status(spec, as_json=args.json)
         if command == "stop":
             return stop(spec)
         sweep(spec, register_winner=args.register)
@@ -116,10 +119,13 @@ def stop(spec: SweepSpec) -> int:
     return 0
 
 
-def status(spec: SweepSpec) -> int:
+def status(spec: SweepSpec, as_json: bool = False) -> int:
     study = existing_study(spec)
     if study is None:
         return _not_started(spec)
+    if as_json:
+        print(json.dumps(status_record(spec, study), default=str))
+        return 0
     url = home_free(storage_url(spec))
     done = counts(study)
     print(f"sweep {spec.name}: study in {url}")
@@ -135,10 +141,39 @@ def status(spec: SweepSpec) -> int:
     return 0
 
 
+def status_record(spec: SweepSpec, study: optuna.Study) -> dict[str, Any]:
+    """`status --json`: the results table's rows (final and subset scores in their own fields), each with
+    who runs it and its message."""
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    rows = []
+    for row in trial_rows(study):
+        attrs = trials[row["trial"]].user_attrs
+        owner = attrs.get(OWNER) if row["state"] == "RUNNING" else None
+        rows.append(
+            {**row, "owner": owner, "heartbeat": attrs.get(HEARTBEAT), "message": attrs.get("message")}
+        )
+    confirmation = existing_study(spec, suffix=".confirm")
+    return {
+        "name": spec.name,
+        "storage": home_free(storage_url(spec)),
+        "trials": spec.n_trials,
+        "counts": counts(study),
+        "stop_requested": study.user_attrs.get(STOP_REQUESTED),
+        "rows": rows,
+        "confirmation": counts(confirmation) if confirmation is not None else None,
+    }
+
+
 def _trial_line(trial: optuna.trial.FrozenTrial) -> str:
     attrs = trial.user_attrs
-    value = "" if trial.value is None else f" {trial.value:.5f}"
-    line = f"{trial.number:3d} {trial.state.name:8s}{value} {trial.params}"
+    row = trial_row(trial)
+    line = f"{trial.number:3d} {trial.state.name:8s}"
+    if row["final"] is not None:
+        line += f" final {row['final']:.5f}"
+    elif row["subset"] is not None:
+        cut = f" at rung {row['rung']}, {row['tokens']:,} tokens" if row["rung"] is not None else ""
+        line += f" subset {row['subset']:.5f}{cut}"
+    line += f" {trial.params}"
     if "steps" in attrs:
         line += f", {attrs['steps']} steps in {attrs.get('seconds', 0):,.0f} s"
     if trial.state == optuna.trial.TrialState.RUNNING:

@@ -27,6 +27,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from flows.sweep import confirm, loop
+from flows.sweep.claims import Claimed, stop_requested
 from flows.sweep.command import pretrain_command
 from flows.sweep.gpus import GpuPool, host_gpus, trials_at_once
 from flows.sweep.parents import pin_parents
@@ -43,11 +44,9 @@ from flows.sweep.report import (
 from flows.sweep.runs import SweepContext, TrialPlan
 from flows.sweep.spec import SweepSpec, check_spec
 from flows.sweep.study import (
-    Claimed,
     counts,
     home_free,
     open_study,
-    stop_requested,
     storage_url,
     study_uid,
     suggest,
@@ -152,7 +151,7 @@ def _context(spec: SweepSpec, uri: str, study: optuna.Study) -> SweepContext:
         # concurrency leases in memory, so a slot it counted would outlive a kill -9 of this process.
         if PREFECT_API_URL.value():
             limit = spec.concurrency_limit or _default_limit(spec, client)
-            _ensure_limit(client, limit, at_once)
+            _ensure_limit(client, limit, at_once, own=spec.concurrency_limit is not None)
     uid, directory = study_uid(study), trials_dir(spec.name, study)
     pins = pin_parents(spec, study, uri)
     gpus = (
@@ -172,8 +171,10 @@ def _default_limit(spec: SweepSpec, client: Any) -> str:
     return f"llamaflow-sweeps-{pool}"
 
 
-def _ensure_limit(client: Any, name: str, slots: int) -> None:
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+def _ensure_limit(client: Any, name: str, slots: int, *, own: bool) -> None:
+    """The limit, created with `slots`; the host's default one (`own` False) is raised to the largest
+    `parallel` asked for, so the first sweep on a host does not hold the others to its own."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
     from prefect.exceptions import ObjectNotFound
 
     try:
@@ -182,11 +183,16 @@ def _ensure_limit(client: Any, name: str, slots: int) -> None:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
         print(f"concurrency limit {name!r} created with {slots} slots, shared by every sweep that uses it")
         return
-    if found.limit < slots:
-        print(
-            f"note: concurrency limit {name!r} holds {found.limit} slots, fewer than parallel={slots}: trials wait "
-            f"for a slot (raise it with `prefect gcl update {name} --limit {slots}`)"
-        )
+    if found.limit >= slots:
+        return
+    if not own:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=slots))
+        print(f"concurrency limit {name!r} raised from {found.limit} to {slots} slots (parallel={slots})")
+        return
+    print(
+        f"note: concurrency limit {name!r} holds {found.limit} slots, fewer than parallel={slots}: trials wait "
+        f"for a slot (raise it with `prefect gcl update {name} --limit {slots}`)"
+    )
 
 
 # ---------------------------------------------------------------------- confirmation and the winner
@@ -199,8 +205,11 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
     study_of_seeds = open_study(
         spec, suffix=".confirm", pruned=False, sampler=optuna.samplers.RandomSampler(seed=spec.seed)
     )
-    total = confirm.enqueue(study_of_seeds, chosen, spec.seeds)
-    print(f"confirmation: {len(chosen)} configurations x {len(spec.seeds)} seeds")
+    confirm.enqueue(study_of_seeds, chosen, spec.seeds)
+    done, total = confirm.finished(study_of_seeds, chosen, spec.seeds)
+    print(
+        f"confirmation: {len(chosen)} configurations x {len(spec.seeds)} seeds ({done} of {total} finished)"
+    )
 
     def plan_for(claimed: Claimed) -> TrialPlan:
         a, key = claimed.params, trial_key(study_of_seeds, claimed.trial)
@@ -210,7 +219,7 @@ def _confirm(spec: SweepSpec, ctx: SweepContext, study: optuna.Study) -> list:
             ctx, claimed.trial.number, "confirm", a["params"], label, extra, claimed.adopted, key
         )
 
-    loop.run_trials(study_of_seeds, ctx, total, plan_for, draw=loop.attrs_of)
+    loop.run_trials(study_of_seeds, ctx, None, plan_for, draw=loop.attrs_of)  # the queue is the work
     result = confirm.verdicts(study_of_seeds, chosen, spec.seeds)
     if not result:
         print("confirmation: the best configurations are the base itself; nothing to compare")

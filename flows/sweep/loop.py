@@ -13,10 +13,11 @@ from optuna.trial import FrozenTrial, TrialState
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.sweep.claims import Claimed, claim_next
 from flows.sweep.command import pretrain_command
 from flows.sweep.report import log_results
 from flows.sweep.runs import SweepContext, TrialOutcome, TrialPlan
-from flows.sweep.study import CRASHED, ENDED, Claimed, claim_next, origin, retry, trial_key
+from flows.sweep.study import CRASHED, ENDED, origin, retry, trial_key
 from flows.sweep.trials import run_trial
 from tasks import home
 
@@ -73,11 +74,12 @@ def plan(
 def run_trials(
     study: optuna.Study,
     ctx: SweepContext,
-    total: int,
+    total: int | None,
     plan_for: Callable[[Claimed], TrialPlan],
     draw: Callable[[optuna.trial.Trial], dict[str, Any]],
 ) -> None:
-    """Keep `parallel` trials running until `total` are finished (adopting those a killed sweep left)."""
+    """Keep `parallel` trials running until `total` are finished (adopting those a killed sweep left);
+    `total` None: until the study's queue is empty (flows/sweep/claims.py)."""
     spec = ctx.spec
     in_flight: dict[int, tuple[optuna.trial.Trial, Any]] = {}
     mine: set[int] = set()

@@ -18,6 +18,7 @@ from mlflow.entities import Metric
 from optuna.trial import FrozenTrial, TrialState
 
 from flows.sweep.command import pretrain_command
+from flows.sweep.rungs import PRUNED, decisions
 from flows.sweep.runs import TAG_KIND, TAG_SWEEP
 from flows.sweep.spec import SweepSpec, trial_values
 from flows.sweep.study import home_free, storage_url
@@ -52,22 +53,30 @@ def open_parent(spec: SweepSpec, study: optuna.Study, uri: str) -> str:
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
-    rows = []
-    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
-        rows.append(
-            {
-                "trial": t.number,
-                **{k: _short(v) for k, v in t.params.items()},
-                "state": t.state.name,
-                "value": t.value if t.state == TrialState.COMPLETE else _last_score(t),
-                "steps": t.user_attrs.get("steps"),
-                "seconds": t.user_attrs.get("seconds"),
-            }
-        )
-    return rows
+    return [trial_row(t) for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)]
+
+
+def trial_row(t: FrozenTrial) -> dict[str, Any]:
+    """`final` is the full validation score a finished trial ended with; a trial that did not finish shows
+    its last score on the validation subset (`subset`) instead, a pruned one with the rung and token count
+    it was cut at: the two scores are never in one column."""
+    cut = t.user_attrs.get(PRUNED, {})
+    return {
+        "trial": t.number,
+        **{k: _short(v) for k, v in t.params.items()},
+        "state": t.state.name,
+        "final": t.value if t.state == TrialState.COMPLETE else None,
+        "subset": None if t.state == TrialState.COMPLETE else _last_score(t),
+        "rung": cut.get("rung"),
+        "tokens": cut.get("tokens"),
+        "steps": t.user_attrs.get("steps"),
+        "seconds": t.user_attrs.get("seconds"),
+    }
 
 
 def _last_score(trial: FrozenTrial) -> float | None:
+    if PRUNED in trial.user_attrs:
+        return trial.user_attrs[PRUNED]["score"]
     return trial.intermediate_values[trial.last_step] if trial.last_step is not None else None
 
 
@@ -114,6 +123,10 @@ def log_results(spec: SweepSpec, study: optuna.Study, parent: str, uri: str, *, 
     seconds = [float(t.user_attrs.get("seconds", 0.0)) for t in study.get_trials(deepcopy=False)]
     metrics["trial_seconds"] = sum(seconds)
     client.log_batch(parent, metrics=[Metric(k, v, 0, len(states)) for k, v in metrics.items()])
+    if cuts := decisions(study):  # which trial was cut, at which rung, against which scores
+        table = {k: [c[k] for c in cuts] for k in ("trial", "rung", "step", "tokens", "score")}
+        table["against"] = [json.dumps(c["against"]) for c in cuts]
+        client.log_table(parent, data=table, artifact_file="rung_decisions.json")
     for name, figure in _figures(study, len(complete), len(spec.space)) if plots else ():
         client.log_figure(parent, figure, f"plots/{name}.png")
         close(figure)

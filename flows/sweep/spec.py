@@ -288,6 +288,10 @@ def check_spec(data: dict[str, Any] | SweepSpec) -> SweepSpec:
     for name, dim in spec.space.items():
         _check_dimension(spec, name, dim, problem)
     _check_search(spec, base, problem)
+    from flows.sweep.budget import rung_problem  # it builds each trial's values (trial_values, here)
+
+    if not problems and (late := rung_problem(spec)):
+        problem(("pruner", "min_resource"), late)
     if problems:
         raise ValidationError.from_exception_data("SweepSpec", problems)
     return spec

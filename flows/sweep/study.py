@@ -21,31 +21,19 @@ import copy
 import hashlib
 import json
 import os
-import socket
-import threading
-import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
-import psutil
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
-from flows.services.processes import start_mark
+from flows.sweep.rungs import Asha, RetryCallback
 from flows.sweep.spec import SweepSpec, check_storage, is_integer
 from tasks import home
 from tasks.credentials import redact_uri
-
-try:  # Optuna >= 4.9's name; RetryFailedTrialCallback, the same class, is its deprecated alias
-    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
-except ImportError:  # Optuna < 4.9
-    from optuna.storages import RetryFailedTrialCallback as RetryCallback  # type: ignore[no-redef]
 
 STORAGE_ENV = "LLAMAFLOW_SWEEP_STORAGE"
 STALE_AFTER_S = 180.0
@@ -58,6 +46,7 @@ STOP_REQUESTED = "stop_requested"  # a study user attribute: when `python -m flo
 # The study's own id, made when it is created: Optuna's study and trial ids start again at 0 in a new
 # storage, so a sweep started over under the same name would reuse them.
 STUDY_UID = "uid"
+SAMPLER_SEED = "sampler_seed"  # a trial's user attribute: the seed its values were drawn with
 # What a study's results depend on: a rerun must give the same (`parallel`, `launch`, `storage`, ... may change).
 RESULT_FIELDS = (
     "base",
@@ -70,6 +59,7 @@ RESULT_FIELDS = (
     "seed",
     "seeds",
     "confirm_top",
+    "gpus_per_trial",  # a trial's ranks (nproc_per_node), so its global batch; base holds nnodes and the rest
 )
 
 
@@ -120,27 +110,34 @@ class _Grid(optuna.samplers.GridSampler):
         return None
 
 
-def sampler_of(spec: SweepSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, seeded with `spec.seed` plus the trials the study already asked: a resumed sweep
-    draws on from there instead of repeating its first draws."""
-    seed = spec.seed + asked
+def sampler_of(spec: SweepSpec, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded with `seed` (default `spec.seed`). A grid picks its next point as a trial
+    is asked: it is seeded with `spec.seed` plus the trials asked (`open_study`); random and TPE draw as
+    the trial suggests its values, each trial from a stream of its own (`draw_seed`)."""
+    seed = spec.seed if seed is None else seed
     if spec.sampler == "grid":
         return _Grid({k: d.values() for k, d in spec.space.items()}, seed=seed)
     if spec.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. Trials
-    # side by side: the running ones count as their worst (constant liar), so they are not drawn twice.
+    # Optuna's default waits 10 random trials before modelling; a third of a small budget is enough. The
+    # running trials count as their worst (constant liar), so trials side by side, in this process or
+    # another sweep process on the study, are not drawn alike; with one at a time none runs but its own.
     startup = max(2, min(10, spec.n_trials // 3))
-    side_by_side = (spec.parallel or 1) > 1 or spec.gpus_per_trial > 0
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=side_by_side)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
+
+
+def draw_seed(spec: SweepSpec, number: int) -> int:
+    """The sampler seed of trial `number`: the storage numbers a study's trials once, across every process
+    that runs it, so no two trials share a stream (two sweep processes used to draw the same values in
+    pairs), and a rerun draws each trial as the first run did."""
+    digest = hashlib.blake2b(f"{spec.seed}:{number}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
 
 
 def pruner_of(spec: SweepSpec) -> optuna.pruners.BasePruner:
     if spec.pruner.name == "none":
         return optuna.pruners.NopPruner()
-    return optuna.pruners.SuccessiveHalvingPruner(
-        min_resource=spec.first_rung(), reduction_factor=spec.pruner.reduction_factor
-    )
+    return Asha(min_resource=spec.first_rung(), reduction_factor=spec.pruner.reduction_factor)
 
 
 def open_study(
@@ -160,8 +157,8 @@ def open_study(
         direction="minimize",
         load_if_exists=True,
     )
-    if sampler is None and study.trials:
-        study.sampler = sampler_of(spec, asked=len(study.trials))
+    if sampler is None and study.trials and spec.sampler == "grid":  # a resumed grid picks on from there
+        study.sampler = sampler_of(spec, seed=spec.seed + len(study.trials))
     fingerprint = search_fingerprint(spec)
     recorded = study.user_attrs.get("search")
     if recorded is None:
@@ -213,11 +210,20 @@ def origin(study: optuna.Study, trial: optuna.trial.Trial | FrozenTrial) -> Froz
 
 def retry(study: optuna.Study, trial: optuna.trial.Trial, max_retries: int) -> bool:
     """Enqueue `trial`, just told FAIL after a crash for infrastructure reasons (`ENDED` set to CRASHED
-    before), to run again (Optuna's retry callback, at most `max_retries` times a trial): whether it was."""
+    before), to run again (Optuna's retry callback), unless its line has crashed `max_retries` times
+    already: whether it was. A takeover (its sweep stopped or killed, `ENDED` STOPPED) is no crash and
+    uses up none of them (Optuna's own count, `max_retry`, counts every trial of the line)."""
     frozen = copy.deepcopy(study._storage.get_trial(trial._trial_id))  # the callback appends to its history
-    before = len(study.get_trials(deepcopy=False))
-    _requeue(study, frozen, max_retries)
-    return len(study.get_trials(deepcopy=False)) > before
+    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):  # stable since v2.8
+        line = RetryCallback.retry_history(frozen)
+    trials = study.get_trials(deepcopy=False)
+    crashed_before = sum(
+        trials[n].user_attrs.get(ENDED) != STOPPED for n in line
+    )  # the rest: retried crashes
+    if crashed_before >= max_retries:
+        return False
+    _requeue(study, frozen, None)
+    return True
 
 
 def _requeue(study: optuna.Study, frozen: FrozenTrial, max_retries: int | None) -> None:
@@ -246,132 +252,14 @@ def spec_record(spec: SweepSpec) -> dict[str, Any]:
     return record
 
 
-# ------------------------------------------------------------------ owners and adoption
-
-
-def this_owner() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_mark(os.getpid())}
-
-
-def owner_gone(trial: FrozenTrial, now: float | None = None) -> bool:
-    owner = trial.user_attrs.get(OWNER)
-    if isinstance(owner, dict) and owner.get("released"):
-        return True
-    if not isinstance(owner, dict):
-        # Asked but killed before it recorded an owner: stale once no one has touched it for a while.
-        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
-        return (now or time.time()) - started > STALE_AFTER_S
-    if owner.get("host") == socket.gethostname():
-        return not _alive(int(owner.get("pid", -1)), str(owner.get("started", "")))
-    beat = float(trial.user_attrs.get(HEARTBEAT, 0.0))
-    return (now or time.time()) - beat > STALE_AFTER_S
-
-
-def _alive(pid: int, started: str) -> bool:
-    try:
-        return start_mark(pid) == started  # not a new process with the old pid
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
-
-
-@dataclass
-class Claimed:
-    trial: optuna.trial.Trial
-    params: dict[str, Any]
-    adopted: bool  # continues a trial whose sweep was killed or stopped (its directory, its MLflow run)
-
-
-def claim_next(
-    study: optuna.Study, total: int, mine: set[int], draw: Callable[[optuna.trial.Trial], dict[str, Any]]
-) -> Claimed | None:
-    """The next trial to run while fewer than `total` are finished or running (`mine`: the numbers this
-    process runs): a stale one is taken over first, then one waiting (a retry), then a new draw (`draw`
-    gives the trial's values; a retry's are its original's)."""
-    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if frozen.number not in mine and owner_gone(frozen):
-            _take_over(study, frozen)
-    trials = study.get_trials(deepcopy=False)
-    with warnings.catch_warnings(category=ExperimentalWarning, action="ignore"):
-        retried = {number for t in trials for number in RetryCallback.retry_history(t)}
-    finished = sum(
-        t.state in FINISHED and t.number not in retried for t in trials
-    )  # a retried FAIL: its retry
-    running = sum(t.state == TrialState.RUNNING for t in trials)
-    if finished + running >= total:
-        return None
-    trial = study.ask()  # a waiting retry first; Optuna hands a waiting trial to one process only
-    mark_owner(trial)
-    first = origin(study, trial)
-    adopted = first.number != trial.number and trial.user_attrs.get(ENDED) == STOPPED
-    if first.number != trial.number:  # a retry: the callback copied why its predecessor ended; not its own
-        for name in (ENDED, "message"):
-            trial.set_user_attr(name, "")
-    return Claimed(trial, draw(trial), adopted)
-
-
-def _take_over(study: optuna.Study, frozen: FrozenTrial) -> None:
-    """End a stale trial FAIL and queue it to run again as a new trial that continues it (its values,
-    directory and MLflow run): the state change is a check-and-set in every Optuna storage, so of two
-    processes that find it stale only one queues it."""
-    from optuna.exceptions import UpdateFinishedTrialError
-
-    storage, trial_id = study._storage, frozen._trial_id
-    try:  # its attributes first: a finished trial's are read-only
-        storage.set_trial_user_attr(trial_id, ENDED, STOPPED)
-        storage.set_trial_user_attr(trial_id, "message", "its sweep stopped; continued by a new trial")
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-    except UpdateFinishedTrialError:
-        return  # another process took it over first
-    _requeue(study, copy.deepcopy(study._storage.get_trial(frozen._trial_id)), None)
-
-
-def request_stop(study: optuna.Study) -> None:
-    """Ask every sweep process running `study` now to stop (`python -m flows.sweep stop`): each stops its
-    trials after a checkpoint and ends; one started later is not affected and continues the study."""
-    study.set_user_attr(STOP_REQUESTED, time.time())
-
-
-def stop_requested(study: optuna.Study, since: float) -> bool:
-    """Whether a stop was asked for after `since` (the asking process's start)."""
-    return float(study.user_attrs.get(STOP_REQUESTED, 0.0)) > since  # read from the storage each time
-
-
-def release(trial: optuna.trial.Trial) -> None:
-    """Give up a trial left unfinished (its sweep was stopped): the next sweep, even in this process, takes it."""
-    trial.set_user_attr(OWNER, {"released": True})
-
-
-@contextmanager
-def keep_alive(trial: optuna.trial.Trial | None, every_s: float = HEARTBEAT_S) -> Iterator[None]:
-    """Beat the trial's heartbeat every `every_s` while the block runs, whatever it waits for (a concurrency
-    slot, a flow run in a queue): a sweep on another host takes over only a trial whose process is gone."""
-    if trial is None:
-        yield
-        return
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            with suppress(Exception):  # a storage hiccup: the next beat tries again
-                trial.set_user_attr(HEARTBEAT, time.time())
-
-    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-def mark_owner(trial: optuna.trial.Trial) -> None:
-    trial.set_user_attr(OWNER, this_owner())
-    trial.set_user_attr(HEARTBEAT, time.time())
-
-
 def suggest(trial: optuna.trial.Trial, spec: SweepSpec) -> dict[str, Any]:
     """The trial's values, drawn by the study's sampler (a grid draws every dimension from its values)."""
     params: dict[str, Any] = {}
+    fixed = "fixed_params" in trial.study._storage.get_trial_system_attrs(trial._trial_id)  # a retry's
+    if spec.sampler != "grid" and not fixed:
+        seed = draw_seed(spec, trial.number)
+        trial.study.sampler = sampler_of(spec, seed)
+        trial.set_user_attr(SAMPLER_SEED, seed)
     for name, dim in spec.space.items():
         if spec.sampler == "grid" or dim.choices is not None:
             params[name] = trial.suggest_categorical(name, dim.values())

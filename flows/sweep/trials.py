@@ -32,9 +32,10 @@ from optuna.trial import TrialState
 
 from flows.pretrain_config import PretrainConfig
 from flows.services.processes import start_mark
+from flows.sweep.claims import keep_alive, release
+from flows.sweep.rungs import PRUNED, decision
 from flows.sweep.runs import RUN_CONTEXT_ENV, TAG_KEY, RunWatch, SweepContext, TrialOutcome, TrialPlan
 from flows.sweep.spec import METRICS, tokens_per_step
-from flows.sweep.study import keep_alive, release
 from tasks.home import child_pythonpath
 from tasks.tracking.runs import FLOW_RUN_TAG
 from tasks.training.checkpoint import checkpoint_dirs
@@ -92,7 +93,8 @@ def _follow(
 ) -> tuple[tuple[bool, str], bool, bool]:
     """Report the run's scores until it ends, stopping it when pruned or when the sweep stops:
     ((ok, message), stop sent, stopped with the sweep)."""
-    scale = tokens_per_step(PretrainConfig(**plan.values)) if ctx.spec.budget_unit == "tokens" else 1
+    per_step = tokens_per_step(PretrainConfig(**plan.values))
+    scale = per_step if ctx.spec.budget_unit == "tokens" else 1
     stop_sent, shutdown = False, False
     while True:
         ended = launcher.poll()
@@ -104,7 +106,12 @@ def _follow(
                 continue
             trial.report(value, step * scale)
             if plan.prune and not stop_sent and trial.should_prune():
-                print(f"trial {plan.number}: pruned at step {step} ({value:.4f}); stopping it")
+                cut = decision(trial, step, step * per_step, value)
+                trial.set_user_attr(PRUNED, cut)
+                print(
+                    f"trial {plan.number}: pruned at rung {cut['rung']}, step {step}, {step * per_step:,} tokens "
+                    f"(subset score {value:.4f}, against {[round(a['score'], 4) for a in cut['against']]}); stopping it"
+                )
                 launcher.stop()
                 stop_sent = True
         if ended is not None:
@@ -165,7 +172,11 @@ class LocalTrial:
         if self.ctx.at_once > 1 and "OMP_NUM_THREADS" not in env:  # trials side by side share the cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.ctx.at_once))
         if self.ctx.gpus is not None:
-            self.devices = self.ctx.gpus.take()
+            self.devices = self.ctx.gpus.take(self.ctx.stopping)
+            if not self.devices:
+                raise SweepInterrupted(
+                    f"trial {self.plan.number} stopped with its sweep while it waited for GPUs"
+                )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         command = [sys.executable, "-m", "flows.sweep.child", str(os.getpid()), "--config", str(config)]
         with self.log.open("ab") as out:
