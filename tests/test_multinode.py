@@ -284,8 +284,9 @@ def _node0_stand_in() -> None:
 
 @pytest.mark.e2e
 def test_a_node_refuses_a_checkpoint_directory_it_does_not_share_with_node_0(
-    pool: Pool, tmp_path: Path
+    pool: Pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("LLAMAFLOW_NODE_ADDR", "127.0.0.1")  # every node on this machine: loopback is right
     model, dataset = _tiny_inputs(tmp_path)
     settings = TrainSettings(micro_batch_size=2, nnodes=2, rdzv_timeout_s=5)
     with get_client(sync_client=True) as client:

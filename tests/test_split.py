@@ -146,6 +146,8 @@ def test_a_continued_run_that_changes_the_split_rule_is_refused(tmp_path: Path) 
     manifest = _manifest(resolve_corpus(str(tmp_path / "c"), val_fraction=0.2), tmp_path)
     with pytest.raises(DataError, match=r"val_fraction=0.3 \(the parent's: 0.2\).*give the parent's values"):
         resolve_corpus(str(tmp_path / "c"), val_fraction=0.3, split_from=manifest)
-    with pytest.raises(DataError, match=r"lacks the parent's source.*train from scratch"):
+    with pytest.raises(DataError, match=r"names the files of the parent's source.*train from scratch"):
         resolve_corpus(str(tmp_path / "c" / "*.py"), val_fraction=0.2, split_from=manifest)
+    _code_files(tmp_path / "other", 20)  # continued pretraining on other files: not a change of rule
+    resolve_corpus(str(tmp_path / "other"), val_fraction=0.2, split_from=manifest)
     resolve_corpus(str(tmp_path / "c"), val_fraction=0.2, split_from=manifest)  # the same rule: accepted

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from flows.pretrain_config import PretrainConfig
-
-if TYPE_CHECKING:
-    from flows.sweep.spec import SweepSpec
 
 RUNG_SLACK = 0.05
 # The fields a trial's tokens per step depend on (flows.sweep.spec.tokens_per_step).
@@ -25,17 +23,22 @@ def judged_at(rung: int, tokens_per_eval: int) -> int:
     return math.ceil(rung / tokens_per_eval) * tokens_per_eval
 
 
-def rung_problem(spec: SweepSpec) -> str | None:
-    """Why some trial cannot be judged within RUNG_SLACK of every rung, with the fix; None when all can."""
-    from flows.sweep.spec import tokens_per_step, trial_values
+def tokens_per_step(config: PretrainConfig) -> int:
+    """Tokens one optimizer step trains on: the global batch, over every node."""
+    per_rank = config.micro_batch_size * config.accumulate_steps * config.seq_len
+    return per_rank * config.nproc_per_node * config.nnodes
 
+
+def rung_problem(spec: Any, trial_config: Callable[[dict[str, Any]], PretrainConfig]) -> str | None:
+    """Why some trial of `spec` (a SweepSpec; `trial_config` gives a trial's config for its sampled values)
+    cannot be judged within RUNG_SLACK of every rung, with the fix; None when all can."""
     if spec.budget_unit != "tokens" or spec.pruner.name != "asha":
         return None
     first, factor = spec.first_rung(), spec.pruner.reduction_factor
     per_steps: dict[int, dict[str, Any]] = {}
     late: tuple[dict[str, Any], int, int] | None = None
     for params in _batch_shapes(spec):
-        config = PretrainConfig(**trial_values(spec, params))
+        config = trial_config(params)
         per_step = tokens_per_step(config)
         per_steps.setdefault(per_step, params)
         every = config.eval_every * per_step
@@ -52,13 +55,13 @@ def rung_problem(spec: SweepSpec) -> str | None:
     shown = ", ".join(f"{k}={v}" for k, v in params.items()) or "the base"
     return (
         f"the rung at {rung:,} tokens is met at {judged:,} by a trial with {shown} (+{judged / rung - 1:.0%}, "
-        f"more than {RUNG_SLACK:.0%}): its steps of {tokens_per_step(PretrainConfig(**trial_values(spec, params))):,} "
+        f"more than {RUNG_SLACK:.0%}): its steps of {tokens_per_step(trial_config(params)):,} "
         f"tokens do not divide the rungs. Give pruner.min_resource a multiple of {unit:,} tokens (every "
         f"trial's tokens per step divides it), e.g. {exact:,}"
     )
 
 
-def _batch_shapes(spec: SweepSpec) -> list[dict[str, Any]]:
+def _batch_shapes(spec: Any) -> list[dict[str, Any]]:
     """Every combination of the space's values of the fields tokens per step depends on ({} without any)."""
     dims = {n: spec.space[n] for n in BATCH_FIELDS if n in spec.space}
     values = [

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from flows.pretrain_config import PretrainConfig
+from flows.sweep.budget import rung_problem, tokens_per_step
 from model import LlamaConfig
 
 OVERRIDES = "model_overrides."
@@ -209,12 +210,6 @@ def check_storage(url: str, where: str) -> str:
     )
 
 
-def tokens_per_step(config: PretrainConfig) -> int:
-    """Tokens one optimizer step trains on: the global batch, over every node."""
-    per_rank = config.micro_batch_size * config.accumulate_steps * config.seq_len
-    return per_rank * config.nproc_per_node * config.nnodes
-
-
 def trial_values(spec: SweepSpec, params: dict[str, Any]) -> dict[str, Any]:
     """The PretrainConfig values a user would give for these sampled values: base, params, budget."""
     values = {**spec.base, "model_overrides": dict(spec.base.get("model_overrides", {}))}
@@ -288,9 +283,9 @@ def check_spec(data: dict[str, Any] | SweepSpec) -> SweepSpec:
     for name, dim in spec.space.items():
         _check_dimension(spec, name, dim, problem)
     _check_search(spec, base, problem)
-    from flows.sweep.budget import rung_problem  # it builds each trial's values (trial_values, here)
-
-    if not problems and (late := rung_problem(spec)):
+    if not problems and (
+        late := rung_problem(spec, lambda params: PretrainConfig(**trial_values(spec, params)))
+    ):
         problem(("pruner", "min_resource"), late)
     if problems:
         raise ValidationError.from_exception_data("SweepSpec", problems)

@@ -100,8 +100,15 @@ def check_rule(parent: SplitRule, rule: SplitRule) -> None:
     problems = []
     if rule.val_fraction != parent.val_fraction:
         problems.append(f"val_fraction={rule.val_fraction} (the parent's: {parent.val_fraction})")
-    if missing := [s for s in parent.sources if s not in rule.sources]:
-        problems.append(f"data={list(rule.sources)} lacks the parent's source(s) {missing}")
+    # A source that names the parent's files another way (another root or glob over them) would move code files,
+    # whose identity is their path, across the split; a corpus of other files (continued pretraining on new
+    # text) is not a change of rule: the manifest still keeps any of the parent's documents on their side.
+    if missing := [
+        m for m in parent.sources if m not in rule.sources and any(_overlap(m, s) for s in rule.sources)
+    ]:
+        problems.append(
+            f"data={list(rule.sources)} names the files of the parent's source(s) {missing} another way"
+        )
     for name in ("val_data", "hf_val_split"):
         if getattr(rule, name) != getattr(parent, name):
             problems.append(f"{name}={getattr(rule, name)!r} (the parent's: {getattr(parent, name)!r})")
@@ -112,6 +119,22 @@ def check_rule(parent: SplitRule, rule: SplitRule) -> None:
             "parent's values (a root or glob that still names the parent's files), or train from scratch "
             "(no init_from) for a new split."
         )
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether two sources can list the same files: one's root (the path up to its first glob) holds the other's."""
+    ra, rb = _root(a), _root(b)
+    return ra == rb or rb.is_relative_to(ra) or ra.is_relative_to(rb)
+
+
+def _root(source: str) -> Path:
+    parts = Path(source).expanduser().parts
+    fixed = list(parts)
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?["):
+            fixed = list(parts[:i])
+            break
+    return Path(*fixed) if fixed else Path(".")
 
 
 # ------------------------------------------------------------------------------------------ assigning
