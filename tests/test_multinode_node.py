@@ -60,13 +60,13 @@ def test_each_launchers_environment_gives_the_nodes_place() -> None:
         "--nnodes",
         "2",
         "--head-addr",
-        "10.0.0.1",
+        "198.18.0.9",
         "--port",
         "29600",
         "--job-id",
         "a",
     ]
-    assert _place(flags, slurm) == NodePlace("flags", 0, 2, "a", "10.0.0.1", 29600)  # flags win
+    assert _place(flags, slurm) == NodePlace("flags", 0, 2, "a", "198.18.0.9", 29600)  # flags win
 
 
 @pytest.mark.parametrize(
