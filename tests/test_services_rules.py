@@ -129,12 +129,12 @@ def test_no_auth_reached_from_beyond_loopback_is_refused(tmp_path: Path) -> None
 
 
 def test_a_host_this_machine_cannot_listen_on_is_named_with_the_fix(tmp_path: Path) -> None:
-    fix = r"--host 192\.0\.2\.1: this machine cannot listen there .*0\.0\.0\.0"
+    fix = r"--host 198\.19\.255\.254: this machine cannot listen there .*0\.0\.0\.0"
     with pytest.raises(ServicesError, match=fix):  # TLS: stunnel would listen there
-        stores.configure(tmp_path / "a", host="192.0.2.1")  # TEST-NET-1: no machine's address
+        stores.configure(tmp_path / "a", host="198.19.255.254")  # on no interface of this machine
     own = TlsOptions(public_urls={"mlflow": "https://m.example.org", "prefect": "https://p.example.org"})
     with pytest.raises(ServicesError, match=fix):  # the servers would, behind the user's proxy
-        stores.up(tmp_path / "b", host="192.0.2.1", tls_options=own, pg_user="daemon")
+        stores.up(tmp_path / "b", host="198.19.255.254", tls_options=own, pg_user="daemon")
     assert not (tmp_path / "b" / "postgres").exists()  # refused before anything started
 
 
